@@ -1,0 +1,115 @@
+"""The Muon half of MuonAdamW as a functional core on lists of tensors.
+
+Per group: Nesterov momentum (one foreach call), then every same-shape matrix goes
+through one batched Newton–Schulz call, then decoupled weight decay and the scaled
+update (foreach calls per shape bucket). The optimizer class only gathers tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from .newton_schulz import CoefficientSpec, DTypeSpec, newton_schulz, resolve_ns_dtype
+
+UPDATE_SCALES = ("match_rms_adamw", "spectral", "none")
+
+
+def update_scale_factor(rule: str, rows: int, cols: int) -> float:
+    """Multiplier applied to the orthogonalized update of a ``rows × cols`` matrix.
+
+    ``match_rms_adamw`` (Moonlight): 0.2·√max(rows, cols) gives the update the RMS of a
+    typical AdamW update, so one peak LR and weight decay serve both halves.
+    ``spectral``: √max(1, rows/cols), the spectral-norm scaling of the original Muon.
+    ``none``: 1.
+    """
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "spectral":
+        return math.sqrt(max(1.0, rows / cols))
+    if rule == "none":
+        return 1.0
+    raise ValueError(f"unknown update_scale {rule!r}; use one of {', '.join(UPDATE_SCALES)}")
+
+
+def matrix_view_shape(
+    shape: Sequence[int], *, num_heads: int | None = None, flatten: bool = False
+) -> tuple[int, int, int]:
+    """The ``(batch, rows, cols)`` stack of matrices Muon orthogonalizes for a parameter.
+
+    2-D: one matrix, or ``num_heads`` row blocks (per-head Muon for Q/K/V projections).
+    3-D and more: the leading dims are a batch (MoE expert stacks ``(E, out, in)``),
+    unless ``flatten`` asks for one ``(out, in·k…)`` matrix (convolution kernels).
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:
+        raise ValueError(f"Muon needs a parameter with at least 2 dims, got shape {shape}")
+    if num_heads is not None:
+        if len(shape) != 2:
+            raise ValueError(f"per-head Muon needs a 2-D parameter, got shape {shape}")
+        if shape[0] % num_heads:
+            raise ValueError(f"{shape[0]} rows do not split into num_heads={num_heads} blocks")
+        return num_heads, shape[0] // num_heads, shape[1]
+    if len(shape) == 2:
+        return 1, shape[0], shape[1]
+    if flatten:
+        return 1, shape[0], math.prod(shape[1:])
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def muon_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    views: list[tuple[int, int, int]],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    ns_dtype: DTypeSpec,
+    ns_coefficients: CoefficientSpec,
+    ns_eps: float,
+    update_scale: str,
+) -> None:
+    """Apply one Muon step in place to ``params`` (and ``momentum_buffers``).
+
+    ``views[i]`` is the ``(batch, rows, cols)`` stack from :func:`matrix_view_shape`.
+    Momentum is an EMA (``buf ← m·buf + (1−m)·g``); the sum convention differs only by
+    a scalar, which Newton–Schulz normalizes away.
+    """
+    if not params:
+        return
+    torch._foreach_lerp_(momentum_buffers, grads, 1.0 - momentum)
+    updates: Sequence[torch.Tensor] = (
+        torch._foreach_lerp(grads, momentum_buffers, momentum) if nesterov else momentum_buffers
+    )
+    if weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+
+    # Same (rows, cols, device, dtype) → one batched Newton–Schulz call.
+    buckets: dict[tuple[int, int, torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, (_, rows, cols) in enumerate(views):
+        buckets[(rows, cols, params[i].device, params[i].dtype)].append(i)
+
+    for (rows, cols, device, _), indices in buckets.items():
+        mats = [updates[i].reshape(views[i][0], rows, cols) for i in indices]
+        stacked = mats[0] if len(mats) == 1 else torch.cat(mats)
+        ortho = newton_schulz(
+            stacked,
+            steps=ns_steps,
+            coefficients=ns_coefficients,
+            dtype=resolve_ns_dtype(ns_dtype, device),
+            eps=ns_eps,
+        )
+        pieces = torch.split(ortho, [views[i][0] for i in indices])
+        bucket_params = [params[i] for i in indices]
+        torch._foreach_add_(
+            bucket_params,
+            [piece.reshape(p.shape) for piece, p in zip(pieces, bucket_params)],
+            alpha=-lr * update_scale_factor(update_scale, rows, cols),
+        )

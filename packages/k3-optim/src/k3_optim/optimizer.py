@@ -1,0 +1,254 @@
+"""MuonAdamW: one ``torch.optim.Optimizer`` with a Muon half and an AdamW half.
+
+Each param group says which half it belongs to with ``use_muon``. Keeping both halves
+in one optimizer means one LR assignment, one GradScaler, one state dict and one
+``step()`` for the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw as _torch_adamw
+
+from .muon import UPDATE_SCALES, matrix_view_shape, muon_update
+from .newton_schulz import CoefficientSpec, DTypeSpec, resolve_coefficients, resolve_ns_dtype
+
+ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Nesterov Muon for hidden matrices and AdamW for everything else.
+
+    Args:
+        params: param groups, each with ``use_muon: bool`` (see
+            :func:`k3_optim.build_parameter_groups`). A group may override any keyword
+            below; Muon groups may also set ``num_heads`` (per-head row blocks of a 2-D
+            Q/K/V projection are orthogonalized separately) and ``flatten`` (treat a
+            >2-D parameter such as a conv kernel as one ``(out, in·k…)`` matrix instead
+            of a batch of matrices).
+        lr: learning rate for both halves (with ``update_scale="match_rms_adamw"`` one
+            value serves both).
+        weight_decay: decoupled decay ``p ← p·(1 − lr·wd)`` in both halves.
+        momentum, nesterov: Muon momentum (EMA convention) and Nesterov look-ahead.
+        ns_steps, ns_dtype, ns_coefficients, ns_eps: Newton–Schulz settings; ``ns_dtype``
+            is ``"auto"`` (bf16 on CUDA, fp32 elsewhere), ``"bf16"``, ``"fp32"``,
+            ``"fp64"`` or a torch dtype, independent of the parameter dtype.
+        update_scale: ``"match_rms_adamw"`` (0.2·√max(rows, cols)), ``"spectral"``
+            (√max(1, rows/cols)) or ``"none"``, computed on the orthogonalized shape.
+        betas, eps: AdamW moments and denominator epsilon.
+        foreach, fused: passed to torch's AdamW implementation (``None`` = torch's
+            default, so AdamW groups match ``torch.optim.AdamW`` exactly).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_dtype: DTypeSpec = "auto",
+        ns_coefficients: CoefficientSpec = "jordan",
+        ns_eps: float = 1e-7,
+        update_scale: str = "match_rms_adamw",
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+    ) -> None:
+        defaults: dict[str, Any] = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            ns_coefficients=ns_coefficients,
+            ns_eps=ns_eps,
+            update_scale=update_scale,
+            num_heads=None,
+            flatten=False,
+            betas=betas,
+            eps=eps,
+            foreach=foreach,
+            fused=fused,
+        )
+        _validate_options(defaults, where="MuonAdamW")
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate a group (``use_muon``, hyperparameters, parameter shapes), then add it."""
+        index = len(self.param_groups)
+        where = f"param group {index}" + (
+            f" ({param_group['name']!r})" if "name" in param_group else ""
+        )
+        if not isinstance(param_group, dict) or "use_muon" not in param_group:
+            raise ValueError(
+                f"{where} has no 'use_muon' key: MuonAdamW needs groups that say which half "
+                "they use; build them with k3_optim.build_parameter_groups(model) or pass "
+                "dicts like {'params': [...], 'use_muon': True}"
+            )
+        if not isinstance(param_group["use_muon"], bool):
+            raise ValueError(f"{where}: 'use_muon' must be True or False")
+        _validate_options({**self.defaults, **param_group}, where=where)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["use_muon"]:
+            names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+            for name, p in zip(names, group["params"]):
+                if p.is_complex():
+                    raise ValueError(f"{where}: Muon does not support complex parameter {name}")
+                try:
+                    matrix_view_shape(
+                        p.shape, num_heads=group["num_heads"], flatten=group["flatten"]
+                    )
+                except ValueError as exc:
+                    self.param_groups.pop()
+                    raise ValueError(
+                        f"{where}: parameter {name} cannot use Muon: {exc}; put 1-D and scalar "
+                        "parameters in an AdamW group (use_muon=False)"
+                    ) from None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step; parameters without a gradient are skipped."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            if group["use_muon"]:
+                self._muon_group_step(index, group)
+            else:
+                self._adamw_group_step(index, group)
+        return loss
+
+    def _params_with_grad(self, index: int, group: dict[str, Any]) -> list[torch.Tensor]:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"MuonAdamW does not support sparse gradients (group {index})")
+            if p.grad.is_complex():
+                raise RuntimeError(f"MuonAdamW does not support complex gradients (group {index})")
+        return params
+
+    def _muon_group_step(self, index: int, group: dict[str, Any]) -> None:
+        params = self._params_with_grad(index, group)
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        muon_update(
+            params,
+            [p.grad for p in params],  # type: ignore[misc]
+            bufs,
+            [matrix_view_shape(p.shape, num_heads=group["num_heads"], flatten=group["flatten"])
+             for p in params],
+            lr=float(group["lr"]),
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            ns_steps=group["ns_steps"],
+            ns_dtype=group["ns_dtype"],
+            ns_coefficients=group["ns_coefficients"],
+            ns_eps=group["ns_eps"],
+            update_scale=group["update_scale"],
+        )
+
+    def _adamw_group_step(self, index: int, group: dict[str, Any]) -> None:
+        params = self._params_with_grad(index, group)
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                # Same state layout as torch.optim.AdamW, so the numbers match it exactly.
+                state["step"] = (
+                    torch.zeros((), dtype=torch.float32, device=p.device)
+                    if group["fused"]
+                    else torch.tensor(0.0, dtype=_scalar_dtype())
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _torch_adamw(
+            params,
+            [p.grad for p in params],  # type: ignore[misc]
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=group["foreach"],
+            fused=group["fused"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _validate_options(options: dict[str, Any], *, where: str) -> None:
+    """Raise ``ValueError`` naming the offending option for any invalid hyperparameter."""
+
+    def number(name: str, *, low: float = 0.0, high: float | None = None,
+               high_inclusive: bool = False) -> None:
+        value = options[name]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
+        too_high = high is not None and (value > high if high_inclusive else value >= high)
+        if value < low or too_high:
+            close = "]" if high_inclusive else ")"
+            bound = f"[{low}, {high}{close}" if high is not None else f">= {low}"
+            raise ValueError(f"{where}: {name} must be in {bound}, got {value!r}")
+
+    number("lr")
+    number("weight_decay")
+    number("momentum", high=1.0)
+    number("ns_eps")
+    number("eps")
+    betas = options["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{where}: betas[{i}] must be in [0, 1), got {beta!r}")
+    if not isinstance(options["nesterov"], bool):
+        raise ValueError(f"{where}: nesterov must be True or False")
+    if options["update_scale"] not in UPDATE_SCALES:
+        raise ValueError(
+            f"{where}: unknown update_scale {options['update_scale']!r}; "
+            f"use one of {', '.join(UPDATE_SCALES)}"
+        )
+    try:
+        resolve_ns_dtype(options["ns_dtype"])
+        resolve_coefficients(options["ns_coefficients"], options["ns_steps"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    heads = options.get("num_heads")
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"{where}: num_heads must be a positive integer or None, got {heads!r}")
+    if not isinstance(options.get("flatten", False), bool):
+        raise ValueError(f"{where}: flatten must be True or False")

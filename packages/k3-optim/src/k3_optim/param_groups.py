@@ -1,0 +1,145 @@
+"""Split a model's parameters into MuonAdamW groups: Muon for hidden matrices, AdamW else.
+
+Muon's orthogonalized update suits the hidden linear maps of a network. Embeddings and
+the output head are lookup/readout tables whose rows see very different gradient
+scales, and norms, biases and scalars are not matrices at all, so they go to AdamW.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+# Module names (last dotted component) treated as the output head when not tied.
+DEFAULT_HEAD_NAMES = ("lm_head", "output", "head", "unembed", "output_head", "classifier")
+
+MuonPredicate = Callable[[str, nn.Parameter], "bool | None"]
+
+
+def build_parameter_groups(
+    model: nn.Module,
+    *,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+    adamw_patterns: Iterable[str] = (),
+    muon_patterns: Iterable[str] = (),
+    predicate: MuonPredicate | None = None,
+    per_head: Mapping[str, int] | None = None,
+    head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
+    muon_options: Mapping[str, Any] | None = None,
+    adamw_options: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Return MuonAdamW param groups for ``model``'s trainable parameters.
+
+    Default choice: a parameter goes to Muon when it has ≥ 2 dims and does not belong
+    to an ``nn.Embedding`` or an output head (a module whose name is in ``head_names``,
+    a weight tied to an embedding, or an ``nn.Linear`` whose weight has an embedding
+    table's shape). Everything else goes to AdamW; 1-D and scalar
+    parameters get no weight decay.
+
+    Overrides, strongest first: ``predicate(name, param)`` returning True/False (None
+    defers), then fnmatch ``muon_patterns`` / ``adamw_patterns`` on the full parameter
+    name. ``per_head`` maps name patterns to a head count for per-head Muon (e.g.
+    ``{"*.q_proj.weight": n_heads, "*.k_proj.weight": n_kv_heads}``). >2-D parameters of
+    convolution modules are flattened to one matrix; other >2-D parameters (expert
+    stacks) are a batch of matrices. ``lr``/``weight_decay`` (when given) and the
+    ``muon_options``/``adamw_options`` mappings are set on the respective groups.
+
+    Each group carries ``name``, ``use_muon`` and ``param_names`` (for checkpoint layout
+    checks); groups with no parameters are omitted.
+    """
+    adamw_patterns = tuple(adamw_patterns)
+    muon_patterns = tuple(muon_patterns)
+    per_head = dict(per_head or {})
+    head_names = set(head_names)
+
+    embedding_params: set[int] = set()
+    embedding_shapes: set[tuple[int, ...]] = set()
+    head_params: set[int] = set()
+    conv_params: set[int] = set()
+    modules = list(model.named_modules())
+    for _, module in modules:
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            embedding_params.update(id(p) for p in module.parameters(recurse=False))
+            embedding_shapes.add(tuple(module.weight.shape))
+    for module_name, module in modules:
+        direct = list(module.parameters(recurse=False))
+        # An output head: named like one, or a Linear shaped like an embedding table
+        # (vocab × d_model), which is what an untied readout is.
+        if module_name.rsplit(".", 1)[-1] in head_names or (
+            isinstance(module, nn.Linear) and tuple(module.weight.shape) in embedding_shapes
+        ):
+            head_params.update(id(p) for p in direct)
+        if isinstance(module, nn.modules.conv._ConvNd):
+            conv_params.update(id(p) for p in direct)
+
+    # key → (group name, use_muon, extra options)
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def add(key: tuple[Any, ...], group: dict[str, Any], name: str, p: nn.Parameter) -> None:
+        entry = groups.setdefault(key, {**group, "params": [], "param_names": []})
+        entry["params"].append(p)
+        entry["param_names"].append(name)
+
+    for name, p in model.named_parameters():  # tied parameters appear once
+        if not p.requires_grad:
+            continue
+        use_muon = _choose_muon(
+            name, p, predicate, muon_patterns, adamw_patterns,
+            default=p.ndim >= 2 and id(p) not in embedding_params and id(p) not in head_params,
+        )
+        if use_muon:
+            if p.ndim < 2:
+                raise ValueError(
+                    f"parameter {name} with shape {tuple(p.shape)} was assigned to Muon, which "
+                    "needs at least 2 dims; route it to AdamW"
+                )
+            heads = next((h for pat, h in per_head.items() if fnmatch.fnmatchcase(name, pat)), None)
+            flatten = p.ndim > 2 and id(p) in conv_params
+            label = "muon" + (f"_heads{heads}" if heads else "") + ("_flat" if flatten else "")
+            add(("muon", heads, flatten), {"name": label, "use_muon": True,
+                                           "num_heads": heads, "flatten": flatten}, name, p)
+        elif p.ndim >= 2:
+            add(("adamw",), {"name": "adamw", "use_muon": False}, name, p)
+        else:
+            add(("adamw_no_decay",), {"name": "adamw_no_decay", "use_muon": False,
+                                      "weight_decay": 0.0}, name, p)
+
+    result = []
+    for group in groups.values():
+        options = muon_options if group["use_muon"] else adamw_options
+        group.update(options or {})
+        if lr is not None:
+            group["lr"] = lr
+        if weight_decay is not None and group["name"] != "adamw_no_decay":
+            group["weight_decay"] = weight_decay
+        result.append(group)
+    if not result:
+        raise ValueError("model has no trainable parameters")
+    # Muon groups first, then AdamW: a stable, readable order for checkpoints and logs.
+    result.sort(key=lambda g: (not g["use_muon"], g["name"]))
+    return result
+
+
+def _choose_muon(
+    name: str,
+    p: torch.Tensor,
+    predicate: MuonPredicate | None,
+    muon_patterns: tuple[str, ...],
+    adamw_patterns: tuple[str, ...],
+    *,
+    default: bool,
+) -> bool:
+    if predicate is not None:
+        decided = predicate(name, p)  # type: ignore[arg-type]
+        if decided is not None:
+            return bool(decided)
+    if any(fnmatch.fnmatchcase(name, pat) for pat in muon_patterns):
+        return True
+    if any(fnmatch.fnmatchcase(name, pat) for pat in adamw_patterns):
+        return False
+    return default

@@ -1,0 +1,71 @@
+"""The workspace stays coherent: one version, exact sibling pins, every package tested."""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
+
+
+def _project(path: Path) -> dict:
+    return tomllib.loads(path.read_text())["project"]
+
+
+def _sibling_requirements(project: dict) -> list[str]:
+    names = {_project(p / "pyproject.toml")["name"] for p in PACKAGES}
+    reqs = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        reqs.extend(extra)
+    return [r for r in reqs if re.split(r"[\s<>=!~;\[@]", r, maxsplit=1)[0] in names]
+
+
+def test_there_are_packages():
+    assert PACKAGES, "no packages/*/pyproject.toml found"
+
+
+def test_every_package_shares_the_workspace_version():
+    expected = _project(ROOT / "pyproject.toml")["version"]
+    versions = {p.name: _project(p / "pyproject.toml")["version"] for p in PACKAGES}
+    assert versions == dict.fromkeys(versions, expected)
+
+
+def test_siblings_are_pinned_exactly_to_that_version():
+    expected = _project(ROOT / "pyproject.toml")["version"]
+    for package in PACKAGES:
+        for req in _sibling_requirements(_project(package / "pyproject.toml")):
+            assert re.fullmatch(rf"[\w-]+(\[[\w,-]+\])?\s*=={re.escape(expected)}", req), (
+                f"{package.name}: sibling requirement {req!r} must be pinned =={expected}"
+            )
+
+
+def test_installed_metadata_matches_the_source_tree():
+    for package in PACKAGES:
+        project = _project(package / "pyproject.toml")
+        try:
+            installed = version(project["name"])
+        except PackageNotFoundError:
+            continue  # only the packages of this environment are installed
+        assert installed == project["version"], project["name"]
+
+
+def test_every_package_is_in_the_root_test_matrix():
+    hatch = tomllib.loads((ROOT / "hatch.toml").read_text())
+    test_env = hatch["envs"]["hatch-test"]
+    matrix = {value for entry in test_env["matrix"] for value in entry["package"]}
+    overrides = test_env["overrides"]["matrix"]["package"]
+    members = {o["value"] for o in overrides["workspace"]["members"]}
+    for package in PACKAGES:
+        assert package.name in matrix, f"add {package.name} to the hatch-test matrix"
+        assert f"packages/{package.name}" in members
+        assert (package / "README.md").is_file() and (package / "tests").is_dir()
+        src = package / "src" / _project(package / "pyproject.toml")["name"].replace("-", "_")
+        assert (src / "py.typed").is_file(), f"{package.name} lacks py.typed"
