@@ -91,13 +91,19 @@ def muon_update(
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
 
-    # Same (rows, cols, device, dtype) → one batched Newton–Schulz call.
+    # Matrices with the same wide-orientation shape (tall ones transposed: NS would
+    # transpose them anyway), device and dtype → one batched Newton–Schulz call.
     buckets: dict[tuple[int, int, torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, (_, rows, cols) in enumerate(views):
-        buckets[(rows, cols, params[i].device, params[i].dtype)].append(i)
+        key = (min(rows, cols), max(rows, cols), params[i].device, params[i].dtype)
+        buckets[key].append(i)
 
-    for (rows, cols, device, _), indices in buckets.items():
-        mats = [updates[i].reshape(views[i][0], rows, cols) for i in indices]
+    for (_, _, device, _), indices in buckets.items():
+        mats = []
+        for i in indices:
+            batch, rows, cols = views[i]
+            mat = updates[i].reshape(batch, rows, cols)
+            mats.append(mat if rows <= cols else mat.mT)
         stacked = mats[0] if len(mats) == 1 else torch.cat(mats)
         ortho = newton_schulz(
             stacked,
@@ -106,10 +112,15 @@ def muon_update(
             dtype=resolve_ns_dtype(ns_dtype, device),
             eps=ns_eps,
         )
-        pieces = torch.split(ortho, [views[i][0] for i in indices])
-        bucket_params = [params[i] for i in indices]
-        torch._foreach_add_(
-            bucket_params,
-            [piece.reshape(p.shape) for piece, p in zip(pieces, bucket_params)],
-            alpha=-lr * update_scale_factor(update_scale, rows, cols),
+        # The scale depends on the orientation (spectral: rows/cols), so add per scale.
+        by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
+            lambda: ([], [])
         )
+        for i, piece in zip(indices, torch.split(ortho, [views[i][0] for i in indices])):
+            _, rows, cols = views[i]
+            update = piece if rows <= cols else piece.mT
+            targets, deltas = by_scale[update_scale_factor(update_scale, rows, cols)]
+            targets.append(params[i])
+            deltas.append(update.reshape(params[i].shape))
+        for scale, (targets, deltas) in by_scale.items():
+            torch._foreach_add_(targets, deltas, alpha=-lr * scale)
