@@ -1,0 +1,241 @@
+"""k3-checkpoint save and load+validate time against plain torch.save / torch.load.
+
+Both sides handle the same model and AdamW state dicts in one process, interleaved (the order
+alternates every repeat), from the page cache. The table gives medians, the ratio of medians
+and the min-max of the per-repeat ratios. The candidate's save includes fsync of the file and
+the directory; the baseline is what most training loops do: torch.save, no fsync (a
+``torch.save + fsync`` row separates the two costs). The load baselines are torch.load alone,
+and torch.load plus load_state_dict into the model and optimizer, which is the work
+load_checkpoint also does. A last table times the candidate digests over the large file.
+
+    python benchmarks/bench_checkpoint.py            # small and large state, 9 repeats
+    python benchmarks/bench_checkpoint.py --quick    # small state, 3 repeats (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import statistics
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from k3_checkpoint import load_checkpoint, read_payload, save_checkpoint
+
+TARGET = 1.25
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.mlp_norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width, bias=False)
+        self.down = nn.Linear(4 * width, width, bias=False)
+
+
+class Decoder(nn.Module):
+    """Parameters shaped like a small decoder; the benchmark never runs it forward."""
+
+    def __init__(self, vocab: int, width: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+
+class Cursor:
+    def __init__(self, digest: str) -> None:
+        self.state = {"offset": 123_456, "manifest_digest": digest}
+
+    def state_dict(self) -> dict[str, object]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.state = dict(state)
+
+
+@dataclass
+class State:
+    name: str
+    model: Decoder
+    optimizer: torch.optim.Optimizer
+    loaders: dict[str, Cursor]
+
+    def plain_state(self) -> dict[str, object]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def k3_kwargs(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "loaders": self.loaders,
+            "train_config": {"lr": 3e-4, "max_steps": 1000, "lr_schedule": "cosine"},
+            "model_config": {"name": self.name},
+            "vocab_size": self.model.embed.num_embeddings,
+            "qk_clip_policy": {"tau": 100.0},
+            "qk_clip_geometry": {"heads": 4},
+        }
+
+
+def build(name: str, vocab: int, width: int, layers: int) -> State:
+    torch.manual_seed(0)
+    model = Decoder(vocab, width, layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for parameter in model.parameters():  # one step so AdamW holds its moments
+        parameter.grad = torch.randn_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loaders = {"train": Cursor("a" * 64), "val": Cursor("b" * 64)}
+    return State(name, model, optimizer, loaders)
+
+
+def timed(function: Callable[[], object]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def fsynced_torch_save(state: dict[str, object], path: Path) -> None:
+    with open(path, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def compare(
+    repeats: int, baseline: Callable[[], object], candidate: Callable[[], object]
+) -> tuple[float, float, float, float, float]:
+    """(baseline median s, candidate median s, ratio of medians, min ratio, max ratio)."""
+    baseline()  # warm-up: page cache, allocator, lazy imports
+    candidate()
+    base, cand = [], []
+    for repeat in range(repeats):
+        pair = (baseline, candidate) if repeat % 2 == 0 else (candidate, baseline)
+        first, second = timed(pair[0]), timed(pair[1])
+        base.append(first if repeat % 2 == 0 else second)
+        cand.append(second if repeat % 2 == 0 else first)
+    ratios = [c / b for b, c in zip(base, cand)]
+    median_base, median_cand = statistics.median(base), statistics.median(cand)
+    return median_base, median_cand, median_cand / median_base, min(ratios), max(ratios)
+
+
+def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, ...]]:
+    plain_path, k3_path = directory / f"{state.name}.pt", directory / f"{state.name}.k3"
+    kwargs = state.k3_kwargs()
+    counters = {"step": 1000, "tokens_seen": 10**9, "skipped_updates": 0}
+
+    def plain_save() -> None:
+        torch.save(state.plain_state(), plain_path)
+
+    def k3_save() -> None:
+        save_checkpoint(k3_path, **kwargs, counters=counters)  # type: ignore[arg-type]
+
+    def plain_load() -> None:
+        torch.load(plain_path, weights_only=True)
+
+    def plain_resume() -> None:
+        loaded = torch.load(plain_path, weights_only=True)
+        state.model.load_state_dict(loaded["model"])
+        state.optimizer.load_state_dict(loaded["optimizer"])
+
+    def k3_load() -> None:
+        load_checkpoint(k3_path, **kwargs)  # type: ignore[arg-type]
+
+    def k3_read() -> None:
+        read_payload(k3_path)
+
+    plain_save()
+    k3_save()
+    size = f"{k3_path.stat().st_size / 2**20:.1f} MiB"
+    rows = [
+        ("save", "torch.save", plain_save, k3_save),
+        (
+            "save",
+            "torch.save + fsync",
+            lambda: fsynced_torch_save(state.plain_state(), plain_path),
+            k3_save,
+        ),
+        ("load+validate", "torch.load", plain_load, k3_load),
+        ("load+validate", "torch.load + load_state_dict", plain_resume, k3_load),
+        ("read_payload", "torch.load", plain_load, k3_read),
+    ]
+    table: list[tuple[str, ...]] = []
+    for operation, baseline_name, baseline, candidate in rows:
+        base, cand, ratio, low, high = compare(repeats, baseline, candidate)
+        verdict = "met" if ratio <= TARGET else "missed"
+        table.append(
+            (state.name, size, operation, f"vs {baseline_name}", f"{base * 1e3:.1f}",
+             f"{cand * 1e3:.1f}", f"{ratio:.2f}x", f"{low:.2f}-{high:.2f}", verdict)
+        )  # fmt: skip
+    return table
+
+
+def digest_rates(path: Path, repeats: int) -> list[tuple[str, ...]]:
+    data = memoryview(path.read_bytes())
+    rows: list[tuple[str, ...]] = []
+    for name, function in (
+        ("sha256", lambda: hashlib.sha256(data).digest()),
+        ("blake2b", lambda: hashlib.blake2b(data).digest()),
+        ("crc32 (not a digest; reference)", lambda: zlib.crc32(data)),
+        (
+            "torch.load of the same file",
+            lambda: torch.load(path.with_suffix(".pt"), weights_only=True),
+        ),
+    ):
+        seconds = statistics.median(timed(function) for _ in range(repeats))
+        rows.append((name, f"{seconds * 1e3:.1f}", f"{data.nbytes / seconds / 1e9:.2f}"))
+    return rows
+
+
+def print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small state, 3 repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed pairs per row")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: temp)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    args = parser.parse_args()
+    if args.threads:  # 1 steadies a shared machine: OpenMP copies stall when a core is taken
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (3 if args.quick else 9)
+    sizes = [("small", 2048, 64, 2)] + ([] if args.quick else [("large", 4096, 256, 8)])
+    print(
+        f"k3-checkpoint vs plain torch: torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads, {repeats} interleaved repeats, target <= {TARGET}x"
+    )
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        directory = Path(scratch)
+        rows: list[tuple[str, ...]] = []
+        for name, vocab, width, layers in sizes:
+            rows += bench_state(build(name, vocab, width, layers), repeats, directory)
+        header = ("state", "file", "operation", "baseline", "base ms", "k3 ms", "ratio",
+                  "spread", "target")  # fmt: skip
+        print_table(header, rows)
+        print()
+        largest = directory / f"{sizes[-1][0]}.k3"
+        print(f"digest candidates over {largest.stat().st_size / 2**20:.1f} MiB (in memory):")
+        print_table(("algorithm", "ms", "GB/s"), digest_rates(largest, repeats))
+
+
+if __name__ == "__main__":
+    main()

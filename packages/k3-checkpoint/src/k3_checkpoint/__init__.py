@@ -1,0 +1,46 @@
+"""k3-checkpoint: format-7 checkpoints with atomic writes and a validate-before-mutate loader.
+
+A checkpoint is one complete update boundary of a training run: model and optimizer state,
+counters, configs, loader cursors, every RNG and the runtime it ran under, behind a sha256
+digest. ``load_checkpoint`` checks all of it against the live run before changing anything.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .errors import CheckpointError
+from .layout import optimizer_identity, optimizer_layout
+from .load import LoadedCheckpoint, load_checkpoint
+from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, read_payload
+from .policy import CompatibilityPolicy
+from .rng import capture_rng, restore_rng, validate_rng_state
+from .runtime import runtime_signature
+from .save import save_checkpoint
+from .summary import CheckpointSummary, inspect_checkpoint
+from .validate import REQUIRED_COUNTERS, StatefulLoader
+
+try:
+    __version__ = version("k3-checkpoint")
+except PackageNotFoundError:  # running from a source tree without installation
+    __version__ = "0+unknown"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HISTORICAL_FORMATS",
+    "REQUIRED_COUNTERS",
+    "CheckpointError",
+    "CheckpointSummary",
+    "CompatibilityPolicy",
+    "LoadedCheckpoint",
+    "StatefulLoader",
+    "__version__",
+    "capture_rng",
+    "inspect_checkpoint",
+    "load_checkpoint",
+    "optimizer_identity",
+    "optimizer_layout",
+    "read_payload",
+    "restore_rng",
+    "runtime_signature",
+    "save_checkpoint",
+    "validate_rng_state",
+]

@@ -1,0 +1,231 @@
+"""The file on disk: a 64-byte header, then the payload as ``torch.save`` wrote it.
+
+Header (little-endian)::
+
+    0   8  magic   b"\\x89K3CKPT\\n"
+    8   4  format  7
+    12  4  scheme  1 = sha256 over 4 MiB blocks
+    16  8  length  payload bytes after the header
+    24  32 digest  of those payload bytes (``k3_checkpoint.digest``)
+    56  4  zero
+    60  4  crc32   of bytes 0-59
+
+Why a header and not a digest field inside the pickle: a digest cannot cover the bytes that hold
+it, and checking it *before* unpickling means a corrupt file never reaches the zip and pickle
+parsers. Together the header CRC, the exact length and the digest make every single bit of the
+file matter: a flip or a cut anywhere is a ``CheckpointError``, never a half-read payload.
+The payload itself is read only with ``torch.load(weights_only=True)``, so a hostile pickle
+cannot run code (the digest is not a signature: anyone can recompute it).
+
+Writes are atomic: ``path.tmp`` is written with a blank header, the header is filled in once the
+payload is complete, the file is flushed and fsynced, renamed over ``path``, and the directory is
+fsynced. A crash at any point leaves the previous ``path`` intact. Nothing reads ``.tmp`` in place
+of ``path``, and one cut short mid-write has a blank header, which the reader refuses by name.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from .digest import digest_of_file
+from .errors import CheckpointError
+
+__all__ = ["FORMAT_VERSION", "HISTORICAL_FORMATS", "read_payload", "write_payload"]
+
+FORMAT_VERSION = 7
+"""The only format this package writes and reads."""
+
+HISTORICAL_FORMATS = range(3, 7)
+"""Formats 3-6: earlier trainer recipes, recognised so they are refused by name."""
+
+MAGIC = b"\x89K3CKPT\n"  # non-ASCII first byte and a newline: text-mode mangling breaks it
+_FIELDS = struct.Struct("<8sIIQ32s4x")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _FIELDS.size + _CRC.size
+_SHA256_BLOCKS = 1  # digest scheme id: see digest.py
+
+
+def pack_header(format_version: int, length: int, digest: bytes) -> bytes:
+    """The 64-byte header for a payload of ``length`` bytes whose digest is ``digest``."""
+    fields = _FIELDS.pack(MAGIC, format_version, _SHA256_BLOCKS, length, digest)
+    return fields + _CRC.pack(zlib.crc32(fields))
+
+
+def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> str:
+    """Atomically write ``payload`` to ``path`` (see the module docstring); return its digest."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with open(temporary, "w+b") as file:  # read too: the digest re-reads the payload
+            file.write(bytes(HEADER_SIZE))  # blank: marks an unfinished write
+            torch.save(dict(payload), file)
+            file.flush()
+            length = file.tell() - HEADER_SIZE
+            # From the page cache, in parallel blocks: cheaper than hashing inside torch's
+            # many small writes, which would serialize the hash on one core.
+            digest = digest_of_file(file, HEADER_SIZE, length)
+            file.seek(0)
+            file.write(pack_header(FORMAT_VERSION, length, digest))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return digest.hex()
+
+
+def read_payload(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The verified payload of a format-7 checkpoint, touching no live object.
+
+    Checks the header, the length and the digest before unpickling, loads with
+    ``torch.load(weights_only=True, map_location="cpu")``, and checks the format version.
+    Formats 3-6 are refused by name; every other problem raises ``CheckpointError`` naming the
+    file and the reason.
+    """
+    return read_verified(path)[0]
+
+
+def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    """``read_payload`` plus the payload's hex digest (the checkpoint's identity)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            length, expected = _read_header(file, size, path)
+            actual = digest_of_file(file, HEADER_SIZE, length)
+            if actual != expected:
+                raise CheckpointError(
+                    f"digest mismatch: the payload hashes to {actual.hex()[:16]}…, the header "
+                    f"records {expected.hex()[:16]}…; the file is corrupt",
+                    path=path,
+                )
+            file.seek(HEADER_SIZE)
+            payload = _torch_load(file, path)
+    except OSError as error:
+        raise CheckpointError(f"cannot be read: {error.strerror or error}", path=path) from error
+    except CheckpointError as error:
+        if error.path is not None:
+            raise
+        raise error.with_path(path) from error
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"payload is a {type(payload).__name__}, not a dict", path=path)
+    version = payload.get("format_version")
+    if format_problem(version) is not None:
+        raise CheckpointError(
+            f"payload format_version {version!r} disagrees with the header's {FORMAT_VERSION}",
+            path=path,
+        )
+    return payload, actual.hex()
+
+
+def format_problem(version: object) -> str | None:
+    """Why ``version`` cannot be read, or None for format 7."""
+    if version == FORMAT_VERSION and type(version) is int:
+        return None
+    if type(version) is int and version in HISTORICAL_FORMATS:
+        return (
+            f"historical recipe format {version} is not supported: this loader reads format "
+            f"{FORMAT_VERSION} only; resume it with the trainer release that wrote it, or start "
+            "a new run"
+        )
+    return f"unknown checkpoint format {version!r}: this loader reads format {FORMAT_VERSION} only"
+
+
+def _read_header(file: BinaryIO, size: int, path: Path) -> tuple[int, bytes]:
+    head = file.read(HEADER_SIZE)
+    if size == 0:
+        raise CheckpointError("is empty (0 bytes): not a checkpoint", path=path)
+    if len(head) < len(MAGIC) and MAGIC.startswith(head):
+        raise CheckpointError(f"is truncated: {size} bytes, not even a header", path=path)
+    if head[: len(MAGIC)] != MAGIC:
+        if head[: len(MAGIC)] == bytes(len(MAGIC)):
+            raise CheckpointError(
+                "has a blank header: a save was interrupted before it finished, so this file "
+                "is not a checkpoint (the previous checkpoint is the file without .tmp)",
+                path=path,
+            )
+        raise CheckpointError(_identify_foreign(path, head), path=path)
+    if len(head) < HEADER_SIZE:
+        raise CheckpointError(
+            f"is truncated: {len(head)} of the header's {HEADER_SIZE} bytes", path=path
+        )
+    fields, (crc,) = head[: _FIELDS.size], _CRC.unpack(head[_FIELDS.size :])
+    if zlib.crc32(fields) != crc:
+        raise CheckpointError("header is corrupt (its CRC does not match)", path=path)
+    _, version, digest_kind, length, digest = _FIELDS.unpack(fields)
+    problem = format_problem(version)
+    if problem is not None:
+        raise CheckpointError(problem, path=path)
+    if digest_kind != _SHA256_BLOCKS:
+        raise CheckpointError(f"unknown digest scheme id {digest_kind}", path=path)
+    if size < HEADER_SIZE + length:
+        raise CheckpointError(
+            f"is truncated: {size} bytes, the header promises {HEADER_SIZE + length}", path=path
+        )
+    if size > HEADER_SIZE + length:
+        raise CheckpointError(
+            f"has {size - HEADER_SIZE - length} unexpected bytes after the payload", path=path
+        )
+    return length, digest
+
+
+def _torch_load(source: BinaryIO | Path, path: Path, **options: Any) -> Any:
+    try:
+        return torch.load(source, weights_only=True, map_location="cpu", **options)
+    except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        raise CheckpointError(
+            f"refused by torch.load(weights_only=True): {_reason(error)}", path=path
+        ) from error
+
+
+def _reason(error: Exception) -> str:
+    text = str(error)
+    marker = "WeightsUnpickler error:"
+    if marker in text:  # the useful line of torch's long weights_only message
+        text = text.split(marker, 1)[1]
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+
+
+def _identify_foreign(path: Path, head: bytes) -> str:
+    """Why a file without the k3 header is refused: historical format, bare payload or neither."""
+    if not head.startswith(b"PK\x03\x04"):  # not even a torch zip; never unpickle it
+        return f"is not a k3 checkpoint (no k3-checkpoint header; starts with {head[:8]!r})"
+    try:  # mmap: only the small pickle is read, not every tensor
+        legacy = _torch_load(path, path, mmap=True)
+    except CheckpointError:
+        legacy = _torch_load(path, path)
+    version = legacy.get("format_version") if isinstance(legacy, Mapping) else None
+    if version is None:
+        return "is a torch file but not a k3 checkpoint (it has no format_version)"
+    if version == FORMAT_VERSION:
+        return (
+            "is a bare format-7 payload without the k3-checkpoint header (written by "
+            "torch.save, not save_checkpoint), so its integrity cannot be verified"
+        )
+    return format_problem(version) or "is not a k3 checkpoint"
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable. Windows cannot open a directory; some filesystems refuse."""
+    if os.name == "nt":
+        return
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,129 @@
+"""Capture and restore every global random generator a training step can draw from.
+
+Python's ``random``, NumPy's global ``RandomState``, torch's CPU generator and, once CUDA is in
+use, each CUDA device's generator. The captured form loads under ``weights_only=True``: plain
+data plus tensors (generator words as int64, torch states as uint8; a tensor is one pickle
+record where 624 pickled ints would be 624 steps of the pure-Python safe unpickler).
+Restoring validates every part on a throwaway generator first and only then sets the
+globals, so a bad state changes none of them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["capture_rng", "restore_rng", "validate_rng_state"]
+
+_PARTS = ("python", "numpy", "torch_cpu", "torch_cuda")
+
+
+def capture_rng() -> dict[str, Any]:
+    """The current state of every global generator, as checkpoint-safe data.
+
+    CUDA generators are captured only when CUDA is initialized: a process that never touched
+    CUDA has drawn nothing from it, and capturing would create a context on every device.
+    """
+    version, internal, gauss_next = random.getstate()
+    numpy_state = np.random.get_state(legacy=True)
+    if not isinstance(numpy_state, tuple):  # only MT19937 has the legacy tuple form
+        raise CheckpointError("NumPy's global generator is not MT19937 and cannot be captured")
+    kind, keys, position, has_gauss, cached_gaussian = numpy_state
+    return {
+        "python": {
+            "version": version,
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "bit_generator": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": list(torch.cuda.get_rng_state_all()) if _cuda_in_use() else [],
+    }
+
+
+def validate_rng_state(state: Mapping[str, Any]) -> None:
+    """Raise ``CheckpointError`` unless ``restore_rng(state)`` would succeed; change nothing."""
+    _parsed(state)
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Set every global generator to ``state`` (from ``capture_rng``), all or none of them."""
+    python_state, numpy_state, cpu_state, cuda_states = _parsed(state)
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(cpu_state)
+    if cuda_states:
+        torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _parsed(state: Mapping[str, Any]) -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:
+    """The library-native forms of ``state``, each already accepted by a throwaway generator."""
+    if not isinstance(state, Mapping) or set(state) != set(_PARTS):
+        found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise CheckpointError(f"rng state must have exactly the parts {list(_PARTS)}, got {found}")
+    part = "python"
+    try:
+        python = state["python"]
+        python_state = (python["version"], _words(python["state"]), python["gauss_next"])
+        random.Random().setstate(python_state)
+        part = "numpy"
+        numpy = state["numpy"]
+        numpy_state = (
+            numpy["bit_generator"],
+            np.asarray(_words(numpy["keys"]), dtype=np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+        if len(numpy_state[1]) != 624 or not 0 <= numpy_state[2] <= 624:
+            raise ValueError("MT19937 needs 624 keys and a position in 0..624")
+        np.random.RandomState().set_state(numpy_state)
+        part = "torch_cpu"
+        cpu_state = state["torch_cpu"]
+        _check_byte_tensor(cpu_state)
+        torch.Generator().set_state(cpu_state)
+        part = "torch_cuda"
+        cuda_states = list(state["torch_cuda"])
+        for tensor in cuda_states:
+            _check_byte_tensor(tensor)
+        if cuda_states and (
+            not torch.cuda.is_available() or len(cuda_states) != torch.cuda.device_count()
+        ):
+            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise ValueError(f"saved for {len(cuda_states)} CUDA devices, {available} available")
+        for index, tensor in enumerate(cuda_states):
+            torch.Generator(device=f"cuda:{index}").set_state(tensor)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise CheckpointError(f"rng state '{part}' cannot be restored: {error}") from error
+    return python_state, numpy_state, cpu_state, cuda_states
+
+
+def _cuda_in_use() -> bool:
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+def _words(value: object) -> tuple[int, ...]:
+    """Generator words from their int64 tensor (one pickle record, not 600 pickled ints)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
+        raise TypeError(f"expected a 1-D int64 tensor, got {value!r:.80}")
+    words = tuple(value.tolist())
+    if not all(0 <= word < 1 << 32 for word in words):
+        raise ValueError("generator words must fit in 32 bits")
+    return words
+
+
+def _check_byte_tensor(value: object) -> None:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        raise TypeError(f"expected a 1-D uint8 tensor, got {value!r:.80}")

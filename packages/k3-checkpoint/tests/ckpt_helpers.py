@@ -1,0 +1,201 @@
+"""A miniature training run for the checkpoint tests: model, optimizer, loaders, counters, configs.
+
+Each training step draws from every global generator (dropout from torch, input noise from
+NumPy, a batch stride from Python's ``random``), so a resume that restored any of them wrongly
+would diverge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from k3_checkpoint import CompatibilityPolicy, capture_rng, read_payload
+from k3_checkpoint.payload import write_payload
+
+VOCAB = 64
+TRAINER_POLICY = CompatibilityPolicy(may_grow={"max_steps"}, step_limit="max_steps")
+
+
+class Cursor:
+    """A stand-in for TokenDataLoader: an offset into an immutable stream named by its digest."""
+
+    def __init__(self, manifest_digest: str, length: int = 100_000) -> None:
+        self.manifest_digest = manifest_digest
+        self.length = length
+        self.offset = 0
+
+    def next_tokens(self, count: int) -> torch.Tensor:
+        stride = random.randint(1, 3)  # Python's generator shapes the stream
+        start = self.offset
+        self.offset += count * stride
+        return (torch.arange(start, start + count * stride, stride) * 7919) % VOCAB
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"offset": self.offset, "manifest_digest": self.manifest_digest}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["offset"] > self.length:
+            raise ValueError(f"offset {state['offset']} is past the end ({self.length})")
+        self.offset = state["offset"]
+
+
+class TinyLM(nn.Module):
+    def __init__(self, d_model: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.norm = nn.LayerNorm(d_model)
+        self.up = nn.Linear(d_model, 4 * d_model)
+        self.down = nn.Linear(4 * d_model, d_model)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(d_model, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        noise = torch.from_numpy(np.random.standard_normal(x.shape)).to(x.device, x.dtype)
+        x = self.norm(x + 0.01 * noise)
+        x = x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+        return self.head(x)
+
+
+def train_config(**changes: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "batch_size": 4,
+        "seq_len": 8,
+        "lr": 3e-3,
+        "weight_decay": 0.1,
+        "max_steps": 20,
+        "lr_schedule": "cosine",
+        "warmup_steps": 2,
+        "min_lr_ratio": 0.1,
+        "precision": "fp32",
+        "betas": (0.9, 0.95),
+    }
+    config.update(changes)
+    return config
+
+
+@dataclass
+class Run:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loaders: dict[str, Cursor]
+    counters: dict[str, int | None] = field(
+        default_factory=lambda: {
+            "step": 0,
+            "tokens_seen": 0,
+            "skipped_updates": 0,
+            "fixed_batch_offset": None,
+        }
+    )
+    train_config: dict[str, Any] = field(default_factory=train_config)
+    model_config: dict[str, Any] = field(default_factory=lambda: {"d_model": 16, "n_layers": 1})
+    vocab_size: int = VOCAB
+    qk_clip_policy: dict[str, Any] | None = field(
+        default_factory=lambda: {"tau": 100.0, "gqa_mode": "query_only", "enabled": True}
+    )
+    qk_clip_geometry: dict[str, Any] | None = field(
+        default_factory=lambda: {"attn.0": {"kind": "mha", "n_heads": 2, "head_dim": 8}}
+    )
+    grad_scaler: dict[str, Any] | None = None
+
+    def step(self) -> None:
+        """One update: batch, forward, backward, optimizer step, gradients cleared."""
+        device = next(self.model.parameters()).device
+        tokens = self.loaders["train"].next_tokens(33).view(1, 33).to(device)
+        logits = self.model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loaders["val"].next_tokens(4)
+        self.counters["step"] = int(self.counters["step"] or 0) + 1
+        self.counters["tokens_seen"] = int(self.counters["tokens_seen"] or 0) + 32
+
+    def save_kwargs(self) -> dict[str, Any]:
+        return {
+            **self.load_kwargs(),
+            "counters": dict(self.counters),
+            "grad_scaler": self.grad_scaler,
+        }
+
+    def load_kwargs(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "loaders": self.loaders,
+            "train_config": self.train_config,
+            "model_config": self.model_config,
+            "vocab_size": self.vocab_size,
+            "qk_clip_policy": self.qk_clip_policy,
+            "qk_clip_geometry": self.qk_clip_geometry,
+        }
+
+
+def make_run(
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    digests: tuple[str, str] = ("train-manifest-sha", "val-manifest-sha"),
+) -> Run:
+    """A fresh run; ``seed`` seeds every generator, so different seeds give different states."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model = TinyLM().to(device, dtype)
+    build = optimizer or (lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1))
+    loaders = {"train": Cursor(digests[0]), "val": Cursor(digests[1], length=1_000)}
+    return Run(model=model, optimizer=build(model), loaders=loaders)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _digest_of(value: Any, hasher: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        hasher.update(f"T{value.dtype}{list(value.shape)}".encode())
+        hasher.update(tensor_bytes(value))
+    elif isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            hasher.update(f"K{key!r}".encode())
+            _digest_of(value[key], hasher)
+    elif isinstance(value, (list, tuple)):
+        hasher.update(f"L{len(value)}".encode())
+        for item in value:
+            _digest_of(item, hasher)
+    else:
+        hasher.update(f"V{value!r}".encode())
+
+
+def digest(value: Any) -> str:
+    hasher = hashlib.sha256()
+    _digest_of(value, hasher)
+    return hasher.hexdigest()
+
+
+def fingerprint(run: Run) -> dict[str, str]:
+    """Hashes of the four things a rejected load must not touch."""
+    return {
+        "model": digest(run.model.state_dict()),
+        "optimizer": digest(run.optimizer.state_dict()),
+        "loaders": digest({name: loader.state_dict() for name, loader in run.loaders.items()}),
+        "rng": digest(capture_rng()),
+    }
+
+
+def rewrite(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Doctor a checkpoint's payload and write it back with a fresh, valid digest."""
+    payload = read_payload(path)
+    change(payload)
+    write_payload(path, payload)

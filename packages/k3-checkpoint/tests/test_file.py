@@ -1,0 +1,294 @@
+"""The file: formats, integrity, hostile input, atomic writes and what a save refuses."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ckpt_helpers import fingerprint, make_run
+
+from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
+from k3_checkpoint.digest import digest_of_bytes
+from k3_checkpoint.payload import HEADER_SIZE, pack_header
+
+
+@pytest.fixture(scope="module")
+def checkpoint_bytes(tmp_path_factory) -> bytes:
+    """A small, valid checkpoint's bytes, for corrupting copies of it."""
+    path = tmp_path_factory.mktemp("valid") / "ckpt.k3"
+    run = make_run()
+    run.step()
+    save_checkpoint(path, **run.save_kwargs())
+    return path.read_bytes()
+
+
+def _enveloped(payload: object, path: Path, format_version: int = 7) -> None:
+    """Write ``payload`` with a correct header and digest, as a careful forger would."""
+    body = path.with_suffix(".body")
+    torch.save(payload, body)
+    data = body.read_bytes()
+    path.write_bytes(pack_header(format_version, len(data), digest_of_bytes(data)) + data)
+
+
+# -- formats -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [3, 4, 5, 6])
+def test_historical_formats_are_refused_by_name(version, tmp_path):
+    bare = tmp_path / "bare.pt"  # what the earlier trainer wrote: a plain torch.save
+    torch.save({"format_version": version, "model": {"w": torch.zeros(2)}, "step": 9}, bare)
+    enveloped = tmp_path / "enveloped.k3"
+    _enveloped({"format_version": version}, enveloped, format_version=version)
+    for path in (bare, enveloped):
+        with pytest.raises(CheckpointError, match=f"historical recipe format {version} is not"):
+            read_payload(path)
+
+
+@pytest.mark.parametrize("version", [1, 2, 8, 70])
+def test_unknown_formats_are_refused(version, tmp_path):
+    bare = tmp_path / "bare.pt"
+    torch.save({"format_version": version}, bare)
+    enveloped = tmp_path / "enveloped.k3"
+    _enveloped({"format_version": version}, enveloped, format_version=version)
+    for path in (bare, enveloped):
+        with pytest.raises(CheckpointError, match=f"unknown checkpoint format {version}"):
+            read_payload(path)
+
+
+def test_payload_version_must_agree_with_the_header(tmp_path):
+    path = tmp_path / "ckpt.k3"
+    _enveloped({"format_version": 6}, path, format_version=7)
+    with pytest.raises(CheckpointError, match="payload format_version 6 disagrees"):
+        read_payload(path)
+
+
+def test_bare_format_7_payload_is_refused_as_unverifiable(tmp_path, checkpoint_bytes):
+    path = tmp_path / "ckpt.k3"
+    path.write_bytes(checkpoint_bytes)
+    bare = tmp_path / "bare.pt"
+    torch.save(read_payload(path), bare)
+    with pytest.raises(CheckpointError, match="bare format-7 payload without the k3-checkpoint"):
+        read_payload(bare)
+
+
+# -- integrity ---------------------------------------------------------------------------
+
+
+def test_single_bit_flips_are_detected_anywhere(tmp_path, checkpoint_bytes):
+    # Every header byte, the zip's local headers and pickle at the start of the payload, its
+    # central directory at the end, and every 29th byte between: a different bit each time.
+    path = tmp_path / "flipped.k3"
+    size = len(checkpoint_bytes)
+    ends = set(range(HEADER_SIZE + 512)) | set(range(size - 512, size))
+    for position in sorted(ends | set(range(0, size, 29))):
+        corrupt = bytearray(checkpoint_bytes)
+        corrupt[position] ^= 1 << (position % 8)
+        path.write_bytes(corrupt)
+        with pytest.raises(CheckpointError) as raised:
+            read_payload(path)
+        assert str(path) in str(raised.value)
+
+
+def test_truncation_is_detected_at_every_cut(tmp_path, checkpoint_bytes):
+    path = tmp_path / "cut.k3"
+    cuts = [1, 7, 8, 40, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 1]
+    cuts += [*range(HEADER_SIZE + 2, len(checkpoint_bytes), 97), len(checkpoint_bytes) - 1]
+    for cut in cuts:
+        path.write_bytes(checkpoint_bytes[:cut])
+        with pytest.raises(CheckpointError, match="truncated"):
+            read_payload(path)
+
+
+def test_appended_bytes_are_detected(tmp_path, checkpoint_bytes):
+    path = tmp_path / "long.k3"
+    path.write_bytes(checkpoint_bytes + b"\0")
+    with pytest.raises(CheckpointError, match="1 unexpected bytes after the payload"):
+        read_payload(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", "is empty"),
+        (b"step: 100\nmodel: weights.bin\n", "is not a k3 checkpoint"),
+        (bytes(range(256)) * 4, "is not a k3 checkpoint"),
+        (bytes(HEADER_SIZE) + b"PK\x03\x04partial", "interrupted before it finished"),
+    ],
+    ids=["empty", "text", "random", "unfinished-tmp"],
+)
+def test_non_checkpoints_are_refused(tmp_path, content, match):
+    path = tmp_path / "file"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=match):
+        read_payload(path)
+
+
+def test_other_files_are_refused(tmp_path):
+    npy = tmp_path / "array.npy"
+    np.save(npy, np.arange(4))
+    torch_file = tmp_path / "weights.pt"
+    torch.save({"w": torch.zeros(2)}, torch_file)
+    cases = [
+        (npy, "is not a k3 checkpoint"),
+        (torch_file, "torch file but not a k3 checkpoint"),
+        (tmp_path, "cannot be read"),
+        (tmp_path / "missing.k3", "cannot be read: No such file"),
+    ]
+    for path, match in cases:
+        with pytest.raises(CheckpointError, match=match):
+            read_payload(path)
+
+
+# -- hostile input -----------------------------------------------------------------------
+
+
+class _CreatesFile:
+    """Unpickling this calls open(target, "w"): a file appears if the pickle runs code."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (str(self.target), "w"))
+
+
+def test_malicious_pickles_never_run(tmp_path):
+    target = tmp_path / "pwned"
+    raw = pickle.dumps({"format_version": 7, "model": _CreatesFile(target)})
+    pickle.loads(raw)  # control: the payload really does run when unpickled naively
+    assert target.exists()
+    target.unlink()
+
+    raw_file = tmp_path / "raw.pkl"
+    raw_file.write_bytes(raw)
+    zipped = tmp_path / "zipped.pt"
+    torch.save({"format_version": 5, "model": _CreatesFile(target)}, zipped)
+    enveloped = tmp_path / "enveloped.k3"  # header and digest are correct: only loading guards
+    _enveloped({"format_version": 7, "model": _CreatesFile(target)}, enveloped)
+
+    for path in (raw_file, zipped, enveloped):
+        with pytest.raises(CheckpointError):
+            read_payload(path)
+        assert not target.exists(), f"{path.name} ran code"
+
+    run = make_run()
+    run.step()
+    before = fingerprint(run)
+    with pytest.raises(CheckpointError, match=r"weights_only=True.*Unsupported global"):
+        load_checkpoint(enveloped, **run.load_kwargs())
+    assert not target.exists()
+    assert fingerprint(run) == before
+
+    with open(enveloped, "rb") as file:  # control: torch's unsafe mode would have run it
+        file.seek(HEADER_SIZE)
+        torch.load(file, weights_only=False)
+    assert target.exists()
+
+
+# -- atomic writes -----------------------------------------------------------------------
+
+
+def test_save_fsyncs_the_file_then_the_directory_after_the_rename(tmp_path, monkeypatch):
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(descriptor: int) -> None:
+        mode = os.fstat(descriptor).st_mode
+        events.append("fsync-dir" if stat.S_ISDIR(mode) else "fsync-file")
+        real_fsync(descriptor)
+
+    def replace(source: str, target: str) -> None:
+        events.append("replace")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    run = make_run()
+    run.step()
+    save_checkpoint(tmp_path / "sub" / "ckpt.k3", **run.save_kwargs())
+    assert events == ["fsync-file", "replace", "fsync-dir"]
+    assert os.listdir(tmp_path / "sub") == ["ckpt.k3"]
+
+
+_CRASH_BEFORE_RENAME = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from ckpt_helpers import make_run
+from k3_checkpoint import save_checkpoint
+run = make_run()
+for _ in range(3):
+    run.step()
+run.counters["step"] = 99  # the newer state a crash must not half-publish
+os.replace = lambda *args: os._exit(17)  # power cut after the .tmp is complete and fsynced
+save_checkpoint({path!r}, **run.save_kwargs())
+"""
+
+
+def test_crash_between_tmp_and_rename_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.k3"
+    run = make_run()
+    run.step()
+    save_checkpoint(path, **run.save_kwargs())
+    previous = path.read_bytes()
+
+    script = textwrap.dedent(_CRASH_BEFORE_RENAME).format(
+        tests=str(Path(__file__).parent), path=str(path)
+    )
+    crashed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert crashed.returncode == 17, crashed.stderr.decode()[-2000:]
+
+    assert Path(f"{path}.tmp").exists()  # what the crash left behind
+    assert path.read_bytes() == previous
+    resumed = make_run(seed=4)
+    assert load_checkpoint(path, **resumed.load_kwargs()).counters["step"] == 1
+
+
+def test_save_with_a_live_gradient_is_refused_and_writes_nothing(tmp_path):
+    path = tmp_path / "ckpt.k3"
+    run = make_run()
+    run.step()
+    save_checkpoint(path, **run.save_kwargs())
+    previous = path.read_bytes()
+    run.step()
+    run.model.head.weight.grad = torch.zeros_like(run.model.head.weight)
+    with pytest.raises(CheckpointError, match=r"head\.weight.*zero_grad\(set_to_none=True\)"):
+        save_checkpoint(path, **run.save_kwargs())
+    assert path.read_bytes() == previous
+    assert os.listdir(tmp_path) == ["ckpt.k3"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("train_config", {"lr": 1e-3, "schedule": object()}, r"train_config\.schedule is a "),
+        ("model_config", {"dims": {1, 2}}, r"model_config\.dims is a builtins\.set"),
+        ("counters", {"step": 1, "tokens_seen": -5, "skipped_updates": 0}, "tokens_seen=-5"),
+        ("counters", {"step": 1, "tokens_seen": 5}, r"lack \['skipped_updates'\]"),
+        ("vocab_size", 0, "vocab_size must be a positive integer"),
+        ("qk_clip_policy", {"tau": torch.tensor(100.0)}, r"qk_clip\.policy\.tau is a torch"),
+    ],
+    ids=["object", "set", "negative-counter", "missing-counter", "vocab", "tensor"],
+)
+def test_save_refuses_what_the_loader_would_refuse(tmp_path, field, value, match):
+    run = make_run()
+    run.step()
+    path = tmp_path / "ckpt.k3"
+    with pytest.raises(CheckpointError, match=match):
+        save_checkpoint(path, **{**run.save_kwargs(), field: value})
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_refuses_a_loader_without_identity(tmp_path):
+    run = make_run()
+    run.step()
+    run.loaders["train"].manifest_digest = ""
+    with pytest.raises(CheckpointError, match="loader 'train' has no manifest_digest"):
+        save_checkpoint(tmp_path / "ckpt.k3", **run.save_kwargs())
