@@ -1,0 +1,136 @@
+"""Causal self-attention that takes part in QK-Clip: GQA/MHA and multi-head latent (MLA).
+
+Each class declares which rows of which weight feed each head's logits (``qk_clip_spec``)
+and carries a ``qk_observer`` attribute that :class:`k3_qkclip.QKClip` fills while it is
+active. ``observed_attention`` is plain ``F.scaled_dot_product_attention`` unless an
+observer is installed and the module is training; then it also records each head's
+exact maximum pre-softmax logit. No key/value cache: every forward starts from scratch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k3_qkclip import QKObserver, QKSpec, observed_attention
+
+from .config import K3Config
+from .norm import RMSNorm
+from .rope import apply_rotary
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention with RoPE on the whole head; MHA when ``n_kv_heads == n_heads``.
+
+    Weights: ``q_proj`` (``n_heads`` row blocks of ``head_dim``), ``k_proj`` and ``v_proj``
+    (``n_kv_heads`` blocks each), ``o_proj``. Query head h reads key/value head
+    ``h // (n_heads // n_kv_heads)``.
+    """
+
+    qk_observer: QKObserver | None = None  # installed by k3_qkclip.QKClip while active
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.kv_heads
+        self.head_dim = config.attn_head_dim
+        d, h, kv, e = config.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(d, h * e, bias=False)
+        self.k_proj = nn.Linear(d, kv * e, bias=False)
+        self.v_proj = nn.Linear(d, kv * e, bias=False)
+        self.o_proj = nn.Linear(h * e, d, bias=False)
+
+    def qk_clip_spec(self) -> QKSpec:
+        """QK-Clip geometry: per-head row blocks of ``q_proj`` and ``k_proj``."""
+        if self.n_kv_heads == self.n_heads:
+            return QKSpec.mha(self.n_heads, self.head_dim, q="q_proj", k="k_proj")
+        return QKSpec.gqa(self.n_heads, self.n_kv_heads, self.head_dim, q="q_proj", k="k_proj")
+
+    def muon_heads(self) -> dict[str, int]:
+        """Per-head Muon row blocks of this module's weights (relative names)."""
+        return {"q_proj.weight": self.n_heads, "k_proj.weight": self.n_kv_heads,
+                "v_proj.weight": self.n_kv_heads}
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, t, h, e).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, kv, e).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, kv, e).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = observed_attention(q, k, v, self.qk_observer)
+        out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
+        return out
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 / Kimi K2 layout).
+
+    Query: ``q_proj`` (full rank) or ``q_down`` → ``q_norm`` → ``q_up``; rows per head
+    ``[q_nope | q_rope]``. Key/value: ``kv_down`` rows ``[latent | k_rope]`` (the rotary
+    key, one for all heads), ``kv_norm`` on the latent, ``kv_up`` rows per head
+    ``[k_nope | v]``. Logit of head h: ``q_nope·k_nope + rope(q_rope)·rope(k_rope)``,
+    scaled by ``(nope + rope) ** -0.5``.
+    """
+
+    qk_observer: QKObserver | None = None  # installed by k3_qkclip.QKClip while active
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_rank = config.v_head_dim, config.kv_lora_rank
+        self.q_rank = config.q_lora_rank
+        d, h = config.d_model, self.n_heads
+        q_rows = h * (self.nope_dim + self.rope_dim)
+        if self.q_rank:
+            self.q_down = nn.Linear(d, self.q_rank, bias=False)
+            self.q_norm = RMSNorm(self.q_rank, config.norm_eps)
+            self.q_up = nn.Linear(self.q_rank, q_rows, bias=False)
+        else:
+            self.q_proj = nn.Linear(d, q_rows, bias=False)
+        self.kv_down = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, config.norm_eps)
+        self.kv_up = nn.Linear(self.kv_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+
+    @property
+    def q_name(self) -> str:
+        """The weight whose rows are per-head ``[q_nope | q_rope]``."""
+        return "q_up" if self.q_rank else "q_proj"
+
+    def qk_clip_spec(self) -> QKSpec:
+        """QK-Clip geometry: per-head query and ``[k_nope | v]`` rows; shared rotary key."""
+        return QKSpec.mla(
+            self.n_heads,
+            self.nope_dim,
+            self.rope_dim,
+            self.v_dim,
+            q=self.q_name,
+            kv="kv_up",
+            k_rope="kv_down",
+            k_rope_offset=self.kv_rank,
+        )
+
+    def muon_heads(self) -> dict[str, int]:
+        """Per-head Muon row blocks of this module's weights (relative names)."""
+        return {f"{self.q_name}.weight": self.n_heads, "kv_up.weight": self.n_heads}
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        h, dn, dr, dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
+        q = self.q_up(self.q_norm(self.q_down(x))) if self.q_rank else self.q_proj(x)
+        q_nope, q_rope = q.view(b, t, h, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)
+        latent, k_rope = self.kv_down(x).split([self.kv_rank, dr], dim=-1)
+        kv = self.kv_up(self.kv_norm(latent)).view(b, t, h, dn + dv).transpose(1, 2)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).expand(b, h, t, dr)
+        q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        y = observed_attention(q, k, v, self.qk_observer)
+        out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * dv))
+        return out
+
+
+def build_attention(config: K3Config) -> GQAttention | MLAttention:
+    """The attention module ``config.attention`` names."""
+    return MLAttention(config) if config.attention == "mla" else GQAttention(config)

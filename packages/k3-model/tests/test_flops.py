@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import pytest
+
+from k3_model import PRESETS, K3Config, K3Model, count_parameters, flops_per_token
+
+
+def _numel(config: K3Config) -> int:
+    return sum(p.numel() for p in K3Model(config).parameters())
+
+
+def test_gqa_moe_config_against_a_hand_count():
+    config = K3Config(
+        vocab_size=11, d_model=8, n_layers=3, n_heads=2, n_kv_heads=1,  # head_dim 4
+        mlp="moe", n_dense_layers=1, d_ff=12,
+        n_experts=4, moe_top_k=1, n_shared_experts=1, moe_d_ff=6,
+    )
+    embed = head = 11 * 8
+    final_norm = 8
+    attn = 8 * 8 + 8 * 4 + 8 * 4 + 8 * 8  # q, k, v, o = 192
+    norms = 2 * 8  # per block
+    dense = 3 * 8 * 12  # gate, up, down = 288
+    router, expert = 4 * 8, 3 * 8 * 6  # 32, 144
+    moe_total = router + 4 * expert + expert  # 4 routed + 1 shared = 752
+    moe_active = router + 1 * expert + expert  # top-1 + shared = 320
+    total = embed + head + final_norm + 3 * (attn + norms) + dense + 2 * moe_total
+    active = embed + head + final_norm + 3 * (attn + norms) + dense + 2 * moe_active
+    matmul = head + 3 * attn + dense + 2 * moe_active
+    assert (total, active, matmul) == (2600, 1736, 1592)
+    count = count_parameters(config)
+    assert (count.total, count.embedding, count.active, count.matmul) == (
+        total, embed, active, matmul,
+    )
+    assert count.non_embedding == total - embed
+    assert _numel(config) == total
+    # 6 per matmul weight + 6·layers·heads·(qk + v dims)·seq
+    assert flops_per_token(config, 10) == 6 * 1592 + 6 * 3 * 2 * (4 + 4) * 10 == 12432
+
+
+def test_tied_mla_config_with_query_lora_against_a_hand_count():
+    config = K3Config(
+        vocab_size=11, d_model=8, n_layers=1, n_heads=2, attention="mla",
+        q_lora_rank=4, kv_lora_rank=3, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3,
+        mlp="dense", d_ff=5, tie_embeddings=True,
+    )
+    embed = 11 * 8
+    q_down, q_norm, q_up = 8 * 4, 4, 4 * 2 * (2 + 2)  # 32, 4, 32
+    kv_down, kv_norm, kv_up = 8 * (3 + 2), 3, 3 * 2 * (2 + 3)  # 40, 3, 30
+    o_proj = 2 * 3 * 8  # 48
+    attn_matmul = q_down + q_up + kv_down + kv_up + o_proj  # 182
+    dense = 3 * 8 * 5  # 120
+    total = embed + 8 + attn_matmul + q_norm + kv_norm + 2 * 8 + dense  # head is the embedding
+    assert total == 421
+    count = count_parameters(config)
+    assert (count.total, count.active) == (total, total)
+    assert count.matmul == embed + attn_matmul + dense == 390  # the tied head still multiplies
+    assert _numel(config) == total
+    assert flops_per_token(config, 7) == 6 * 390 + 6 * 1 * 2 * (4 + 3) * 7 == 2928
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_preset_counts_match_the_built_model(name):
+    assert count_parameters(PRESETS[name]).total == _numel(PRESETS[name])
+
+
+def test_flops_per_token_rejects_a_bad_sequence_length():
+    with pytest.raises(ValueError, match="seq_len"):
+        flops_per_token(PRESETS["tiny"], 0)

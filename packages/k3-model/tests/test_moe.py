@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3_model import MoE, QuantileBalancer, RoutingStats, quantile_bias
+
+
+def test_quantile_bias_matches_a_hand_solved_example():
+    # 3 tokens, 3 experts, k = 1: each expert's fair share is one token.
+    s = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.6, 0.2], [0.7, 0.3, 0.4]])
+    cutoff = torch.tensor([0.5, 0.6, 0.4])  # 2nd largest score (bias 0)
+    # required biases r = cutoff - s per expert: e0 {-.4,-.2,-.3}, e1 {0,0,.1}, e2 {.4,.4,0};
+    # midpoint of the 1st and 2nd smallest: -.35, 0, .2; minus their mean (-.05):
+    bias = quantile_bias(s, cutoff, top_k=1)
+    torch.testing.assert_close(bias, torch.tensor([-0.30, 0.05, 0.25]))
+    assert (s + bias).argmax(dim=1).tolist() == [0, 1, 2]  # one token each
+
+
+def test_balancer_solves_a_fixed_skewed_batch_to_equal_load():
+    g = torch.Generator().manual_seed(0)
+    t, e, k = 1000, 8, 2
+    scores = torch.sigmoid(torch.randn(t, e, generator=g) + torch.linspace(2, -2, e))
+    balancer = QuantileBalancer(e, k).train()
+    balancer(scores)
+    first = balancer.load.clone()
+    for _ in range(10):
+        balancer(scores)
+    target = k * t / e
+    assert (first - target).abs().max() > 0.5 * target  # skewed to begin with
+    assert (balancer.load - target).abs().max() < 0.05 * target
+    assert abs(balancer.bias.mean().item()) < 1e-6  # mean-centred
+
+
+def test_selection_uses_the_bias_but_gates_use_unbiased_scores(make_config):
+    torch.manual_seed(0)
+    layer = MoE(make_config()).eval()
+    x = torch.randn(64, 48)
+    scores = layer.router(x)
+    layer.balancer.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # force expert 3
+    experts, gates = layer.route(x)
+    assert (experts == 3).any(dim=1).all()
+    picked = scores.gather(1, experts)
+    torch.testing.assert_close(gates, picked / picked.sum(dim=1, keepdim=True))
+    torch.testing.assert_close(gates.sum(dim=1), torch.ones(64))
+    assert gates.dtype == torch.float32
+
+
+def test_balancer_updates_on_training_forwards_only(make_model, make_tokens):
+    model = make_model()
+    balancer = model.layers[1].mlp.balancer
+    before = {k: v.clone() for k, v in balancer.state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        model(make_tokens())
+    for key, value in balancer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    model.train()
+    model(make_tokens())
+    after = balancer.state_dict()
+    assert after["updates"].item() == 1
+    assert after["load"].sum().item() == 2 * 16 * 2  # tokens × top-k
+    assert not torch.equal(after["bias"], before["bias"])
+
+
+def test_balancer_off_keeps_zero_bias_but_records_load(make_model, make_tokens):
+    model = make_model(moe_balance=False).train()
+    model(make_tokens())
+    balancer = model.layers[1].mlp.balancer
+    assert torch.equal(balancer.bias, torch.zeros(4))
+    assert balancer.updates.item() == 1 and balancer.load.sum().item() == 64
+
+
+def test_balancer_state_round_trips_through_the_state_dict(make_model, make_tokens):
+    model = make_model().train()
+    for seed in range(3):
+        model(make_tokens(seed=seed))
+    clone = make_model(seed=5)
+    clone.load_state_dict(model.state_dict())
+    assert torch.equal(clone.layers[1].mlp.balancer.bias, model.layers[1].mlp.balancer.bias)
+    model.eval()
+    clone.eval()
+    torch.testing.assert_close(clone(make_tokens())[0], model(make_tokens())[0])
+
+
+def _skewed_layer(make_config, balance: bool) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(make_config(moe_balance=balance, n_experts=8, moe_d_ff=8)).train()
+    with torch.no_grad():  # feature 0 is constant 1, so its column is a per-expert skew
+        layer.router.weight.normal_(0.0, 0.3)
+        layer.router.weight[:, 0] = torch.linspace(3.0, -3.0, 8)
+    return layer
+
+
+def _load_cvs(layer: MoE, forwards: int = 50) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    cvs = []
+    for _ in range(forwards):
+        x = torch.randn(512, 48, generator=g)
+        x[:, 0] = 1.0
+        with torch.no_grad():
+            layer(x)
+        load = layer.balancer.load.double()
+        cvs.append((load.std(unbiased=False) / load.mean()).item())
+    return cvs
+
+
+def test_balancing_evens_out_a_deliberately_skewed_router(make_config):
+    off = _load_cvs(_skewed_layer(make_config, balance=False))
+    on = _load_cvs(_skewed_layer(make_config, balance=True))
+    assert on[0] == pytest.approx(off[0])  # same first choice: the bias starts at zero
+    mean_off, mean_on = sum(off[10:]) / 40, sum(on[10:]) / 40
+    assert mean_off > 0.8
+    assert mean_on < 0.25 * mean_off
+
+
+def test_experts_match_a_per_token_reference(make_config):
+    torch.manual_seed(0)
+    layer = MoE(make_config(n_shared_experts=0)).eval()
+    x = torch.randn(40, 48)
+    experts, gates = layer.route(x)
+    w = layer.experts
+    expected = torch.zeros_like(x)
+    for t in range(40):
+        for j in range(2):
+            e = experts[t, j]
+            h = F.silu(w.w_gate[e] @ x[t]) * (w.w_up[e] @ x[t])
+            expected[t] += gates[t, j] * (w.w_down[e] @ h)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_routing_stats_are_collected_only_when_asked_and_in_training(make_model, make_tokens):
+    model = make_model(n_layers=3).train()
+    model(make_tokens())
+    assert model.pop_moe_stats() == {}  # off by default
+    model.set_moe_stats(True)
+    for seed in range(3):
+        model(make_tokens(seed=seed))
+    model.eval()
+    with torch.no_grad():
+        model(make_tokens())  # eval forwards are not training statistics
+    stats = model.pop_moe_stats()
+    assert list(stats) == ["layers.1.mlp", "layers.2.mlp"]
+    for name, s in stats.items():
+        assert s.forwards == 3
+        assert s.tokens_per_expert.sum().item() == 3 * 32 * 2
+        metrics = s.to_metrics()
+        bias = model.get_submodule(name).balancer.bias
+        assert metrics["bias_min"] == pytest.approx(bias.min().item())
+        assert metrics["bias_max"] == pytest.approx(bias.max().item())
+        assert sum(metrics["load_per_step"]) == pytest.approx(32 * 2)
+    assert model.pop_moe_stats() == {}  # read-and-clear
+    model.set_moe_stats(False)
+    model.train()
+    model(make_tokens())
+    assert model.pop_moe_stats() == {}
+
+
+def test_routing_stats_metrics_by_hand():
+    stats = RoutingStats(torch.tensor([8, 0, 4, 4]), 2, torch.tensor([-0.5, 0.25, 0.0, 0.25]))
+    m = stats.to_metrics()
+    assert m["load_per_step"] == [4.0, 0.0, 2.0, 2.0]
+    assert m["load_cv"] == pytest.approx(2**0.5 / 2)  # std √8 / mean 4
+    assert m["max_load_ratio"] == pytest.approx(2.0)
+    assert m["dead_experts"] == 1
+    assert (m["bias_min"], m["bias_max"], m["forwards"]) == (-0.5, 0.25, 2)
+
+
+def test_balancer_rejects_invalid_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        QuantileBalancer(4, 4)
+    with pytest.raises(ValueError, match="rate"):
+        QuantileBalancer(4, 2, rate=0.0)
