@@ -62,7 +62,8 @@ def check_ns(device: torch.device, small: bool) -> dict[str, Any]:
             s = torch.linalg.svdvals(ref.reshape(-1, *ref.shape[-2:])[0])
             row["max_abs_sigma_minus_1_fp64"] = float((s - 1).abs().max())
             out[f"{'x'.join(map(str, shape))}/{coefficients}"] = row
-            print(f"NS {shape} {coefficients}: " + ", ".join(f"{k}={v:.2e}" for k, v in row.items()))
+            print(f"NS {shape} {coefficients}: "
+                  + ", ".join(f"{k}={v:.2e}" for k, v in row.items()))
     return out
 
 
@@ -75,10 +76,11 @@ def ns_throughput(device: torch.device, small: bool) -> dict[str, Any]:
         A, B = torch.randn(m, m, device=device), torch.randn(m, n, device=device)
         row = {}
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            t_ns = cuda_time(lambda dt=dtype: newton_schulz(G, dtype=dt), 5)
+            t_ns = cuda_time(lambda dt=dtype, G=G: newton_schulz(G, dtype=dt), 5)
             a, b = A.to(dtype), B.to(dtype)
             t_mm = cuda_time(lambda a=a, b=b: a @ b, 10)
-            row[name] = {"ns_tflops": flops / t_ns / 1e12, "matmul_tflops": 2 * m * m * n / t_mm / 1e12}
+            row[name] = {"ns_tflops": flops / t_ns / 1e12,
+                         "matmul_tflops": 2 * m * m * n / t_mm / 1e12}
         out[f"{m}x{n}"] = row
         print(f"NS throughput {m}x{n}: " + ", ".join(
             f"{k} NS {v['ns_tflops']:.1f} vs matmul {v['matmul_tflops']:.1f} TFLOP/s"

@@ -1,0 +1,116 @@
+"""Trainer overhead: ``train()`` per step vs a bare hand-written loop, same model/optimizer/data.
+
+Run: ``hatch run bench:trainer`` (``--quick`` for a smoke run). Each candidate owns an
+identical model (tiny preset), MuonAdamW and loader; their steps are interleaved one by
+one (trainer, bare, bare+QK-Clip, trainer, ...) so machine noise hits all alike.
+``train()`` runs with log/eval/checkpoint intervals beyond the run, as the target asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import Timing, print_table, write_json
+from k3_model import K3Model, preset
+from k3_qkclip import QKClip
+from k3_trainer import (
+    MetricsLog,
+    TokenDataLoader,
+    TrainConfig,
+    TrainState,
+    build_optimizer,
+    learning_rate_at_step,
+    prepare_dataset,
+    train,
+)
+from k3_trainer.checkpointing import qk_clip_policy
+
+
+def _setup(config: TrainConfig, data: Path):
+    torch.manual_seed(0)
+    model = K3Model(preset("tiny"))
+    return model, build_optimizer(model, config), TokenDataLoader(
+        data, "train", config.batch_size, config.seq_len)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per loop")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    warmup = 3
+    total = warmup + (args.steps or (5 if args.quick else 60))
+    config = TrainConfig(max_steps=total, log_interval=10 * total, eval_interval=10 * total,
+                         checkpoint_interval=10 * total)
+    data = Path(tempfile.mkdtemp()) / "builtin"
+    prepare_dataset([], data)
+
+    trainer = _setup(config, data)
+    bare = _setup(config, data)
+    bare_qk = _setup(config, data)
+    state = TrainState()
+    val = TokenDataLoader(data, "val", config.batch_size, config.seq_len)
+
+    def bare_loop(parts, steps: int, step0: list[int], qk: QKClip | None) -> None:
+        model, opt, loader = parts
+        model.train()
+        for _ in range(steps):
+            step0[0] += 1
+            for group in opt.param_groups:
+                group["lr"] = learning_rate_at_step(config, step0[0])
+            if qk:
+                qk.reset()
+            x, y = loader.next_batch()
+            _, loss = model(x, targets=y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            if qk:
+                qk.validate()
+            opt.step()
+            if qk:
+                qk.apply()
+            opt.zero_grad(set_to_none=True)
+
+    # One train() run; after each of its updates, on_update runs one bare step and one
+    # bare+QK-Clip step. The trainer's step time is the gap between callbacks, so the three
+    # loops interleave step by step and the final step's eval/log is never timed.
+    counters = {"bare": [0], "bare_qk": [0]}
+    timings = {name: Timing(name) for name in
+               ("train()", "bare loop", "bare loop + QK-Clip")}
+    last_end = [0.0]
+
+    with QKClip(bare_qk[0], qk_clip_policy(config)) as qk:
+        def interleave(state: TrainState, stats: dict) -> None:
+            now = time.perf_counter()
+            if state.step > warmup:
+                timings["train()"].seconds.append(now - last_end[0])
+            for name, parts, key, clip in (("bare loop", bare, "bare", None),
+                                           ("bare loop + QK-Clip", bare_qk, "bare_qk", qk)):
+                start = time.perf_counter()
+                bare_loop(parts, 1, counters[key], clip)
+                if state.step > warmup:
+                    timings[name].seconds.append(time.perf_counter() - start)
+            last_end[0] = time.perf_counter()
+
+        model, opt, loader = trainer
+        last_end[0] = time.perf_counter()
+        train(model, opt, loader, val, config, "cpu", state=state, log=MetricsLog(None),
+              on_update=interleave)
+    base = timings["bare loop"].median
+    rows = [[t.name, f"{t.median * 1e3:.1f}", t.spread(), f"{t.median / base:.3f}"]
+            for t in timings.values()]
+    print_table(f"Step time, tiny preset, {config.batch_size}×{config.seq_len} tokens, fp32, "
+                f"{total - warmup} interleaved steps each", ["loop", "median ms/step",
+                                                            "min–max", "× bare loop"], rows)
+    write_json(args.json, {t.name: {"median_s": t.median, "seconds": t.seconds}
+                           for t in timings.values()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The ``k3-train`` command: prepare data, train (fresh or ``--resume``), evaluate, inspect.
+
+User errors (bad flag or config value, missing data, an incompatible or corrupt
+checkpoint, a run directory that already holds a run) print one line and exit with
+status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3_checkpoint import CheckpointError
+
+from .config import ConfigError, TrainConfig
+from .data import DataError
+from .runner import RunError, run_eval, run_inspect, run_prepare, run_train
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _field_type(field: dataclasses.Field[Any]) -> Any:
+    annotation = str(field.type)
+    if "bool" in annotation:
+        return _bool
+    if "int" in annotation:
+        return int
+    if "float" in annotation:
+        return float
+    return str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="k3-train", description="One-device pretraining of K3-style models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    prepare = sub.add_parser("prepare", help="tokenize text files into a dataset folder")
+    prepare.add_argument("inputs", nargs="*", metavar="INPUT",
+                         help="UTF-8 text files (none: the built-in corpus)")
+    prepare.add_argument("--out", required=True, type=Path, help="dataset folder to create")
+    prepare.add_argument("--val-fraction", type=float, default=0.05)
+
+    train = sub.add_parser("train", help="train a model, or continue one with --resume")
+    train.add_argument("--run-dir", required=True, type=Path)
+    train.add_argument("--data", type=Path, help="dataset folder (default: built-in corpus)")
+    train.add_argument("--config", type=Path, help="TOML file: preset, [train], [model]")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from RUN_DIR/checkpoint.pt (strictly validated)")
+    train.add_argument("--preset", help="model size preset (default: tiny)")
+    train.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    fields = train.add_argument_group("TrainConfig fields (override the config file)")
+    for field in dataclasses.fields(TrainConfig):
+        fields.add_argument(f"--{field.name.replace('_', '-')}", dest=f"cfg_{field.name}",
+                            type=_field_type(field), default=None, metavar="VALUE")
+
+    evaluate = sub.add_parser("eval", help="validation loss of a run's latest checkpoint")
+    evaluate.add_argument("--run-dir", required=True, type=Path)
+    evaluate.add_argument("--data", type=Path)
+    evaluate.add_argument("--batches", type=int, help="validation batches (default: config)")
+    evaluate.add_argument("--device", default="auto")
+
+    inspect = sub.add_parser("inspect", help="summarize a checkpoint without loading it")
+    inspect.add_argument("checkpoint", type=Path)
+    return parser
+
+
+def _read_toml(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"preset", "train", "model"})
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
+                          "expected preset, [train], [model]")
+    return data
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device: unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "prepare":
+            return run_prepare(args.inputs, args.out, args.val_fraction)
+        if args.command == "inspect":
+            return run_inspect(args.checkpoint)
+        if args.command == "eval":
+            return run_eval(args.run_dir, args.data, args.batches, _device(args.device))
+        overrides = {name[4:]: value for name, value in vars(args).items()
+                     if name.startswith("cfg_") and value is not None}
+        return run_train(run_dir=args.run_dir, data=args.data, toml=_read_toml(args.config),
+                         resume=args.resume, preset=args.preset, overrides=overrides,
+                         device=_device(args.device))
+    except (ConfigError, DataError, CheckpointError, RunError, FileNotFoundError) as exc:
+        print(f"k3-train: error: {exc}", file=sys.stderr)
+        return 2
+    except FloatingPointError as exc:
+        print(f"k3-train: training diverged: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("k3-train: interrupted; continue from the last checkpoint with --resume",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""``TrainConfig`` (the recipe, validated) and ``TrainState`` (the persistent counters)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("constant", "cosine")
+NS_DTYPES = ("auto", "bf16", "fp32", "fp64")
+NS_COEFFICIENTS = ("jordan", "polar_express")
+UPDATE_SCALES = ("match_rms_adamw", "spectral", "none")
+QK_CLIP_GQA_MODES = ("query_only", "group_min")
+
+
+class ConfigError(ValueError):
+    """A TrainConfig field has an invalid value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run's recipe, as plain data.
+
+    Intervals and ``max_steps`` count *successful* optimizer updates. ``max_grad_norm=0``
+    disables ordinary gradient-norm clipping. ``muon_ns_dtype`` is independent of the
+    parameter dtype (parameters stay fp32 masters under bf16/fp16 autocast).
+    """
+
+    # batch geometry
+    batch_size: int = 16
+    seq_len: int = 128
+    gradient_accumulation_steps: int = 1
+    # optimizer (one peak LR and weight decay for every group: Muon uses match_rms_adamw)
+    peak_lr: float = 3e-3
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_ns_dtype: str = "auto"
+    muon_ns_coefficients: str = "jordan"
+    muon_update_scale: str = "match_rms_adamw"
+    max_grad_norm: float = 1.0
+    # schedule
+    lr_schedule: str = "cosine"
+    warmup_steps: int | None = None  # None: min(20, max_steps // 10)
+    decay_steps: int | None = None  # None: max_steps (resolved once, then fixed)
+    min_lr_ratio: float = 0.1
+    # run length and intervals (successful steps)
+    max_steps: int = 300
+    log_interval: int = 10
+    eval_interval: int = 100
+    checkpoint_interval: int = 100
+    eval_batches: int = 8
+    # precision and QK-Clip
+    precision: str = "fp32"
+    qk_clip_enabled: bool = True
+    qk_clip_tau: float = 100.0
+    qk_clip_gqa: str = "query_only"
+    # reproducibility and debugging
+    seed: int = 1337
+    overfit_batch: bool = False
+
+    def __post_init__(self) -> None:
+        # Warmup and the cosine horizon default from this run's length and are then stored
+        # as numbers, so extending max_steps on resume moves neither.
+        if isinstance(self.max_steps, int) and not isinstance(self.max_steps, bool):
+            if self.warmup_steps is None:
+                object.__setattr__(self, "warmup_steps", min(20, self.max_steps // 10))
+            if self.decay_steps is None:
+                object.__setattr__(self, "decay_steps", self.max_steps)
+        for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
+                     "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
+                     "eval_batches", "decay_steps"):
+            _positive_int(self, name)
+        _int(self, "warmup_steps", low=0)
+        _int(self, "seed", low=0)
+        for name in ("peak_lr", "qk_clip_tau"):
+            _number(self, name, low=0.0, low_open=True)
+        for name in ("weight_decay", "max_grad_norm", "adam_eps"):
+            _number(self, name, low=0.0)
+        for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
+            _number(self, name, low=0.0, high=1.0)
+        _number(self, "min_lr_ratio", low=0.0, high=1.0, high_closed=True)
+        for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, allowed in (("precision", PRECISIONS), ("lr_schedule", SCHEDULES),
+                              ("muon_ns_dtype", NS_DTYPES),
+                              ("muon_ns_coefficients", NS_COEFFICIENTS),
+                              ("muon_update_scale", UPDATE_SCALES),
+                              ("qk_clip_gqa", QK_CLIP_GQA_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.lr_schedule == "cosine" and self.warmup_steps >= self.decay_steps:  # type: ignore[operator]
+            raise ConfigError(
+                f"warmup_steps ({self.warmup_steps}) must be smaller than decay_steps "
+                f"({self.decay_steps}) for the cosine schedule"
+            )
+
+    @property
+    def tokens_per_update(self) -> int:
+        return self.batch_size * self.seq_len * self.gradient_accumulation_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from plain data, rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class TrainState:
+    """The counters that persist across sessions.
+
+    ``step`` counts successful optimizer updates; ``tokens_seen`` counts every consumed
+    microbatch, including attempts whose update an FP16 overflow later skipped.
+    """
+
+    step: int = 0
+    tokens_seen: int = 0
+    fixed_batch_offset: int | None = None
+    skipped_updates: int = 0
+    grad_scaler_state: dict[str, Any] | None = field(default=None, repr=False)
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_updates": self.skipped_updates,
+            "fixed_batch_offset": self.fixed_batch_offset,
+            "grad_scaler_state": self.grad_scaler_state,
+        }
+
+
+def _int(cfg: TrainConfig, name: str, *, low: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _positive_int(cfg: TrainConfig, name: str) -> None:
+    _int(cfg, name, low=1)
+
+
+def _number(cfg: TrainConfig, name: str, *, low: float, high: float | None = None,
+            low_open: bool = False, high_closed: bool = False) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low):
+        raise ConfigError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and (value > high or (value == high and not high_closed)):
+        raise ConfigError(f"{name} must be {'<=' if high_closed else '<'} {high}, got {value!r}")

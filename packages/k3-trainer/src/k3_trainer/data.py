@@ -1,0 +1,178 @@
+"""Token shards, their manifest, and ``TokenDataLoader`` (a cursor over a memory-mapped split).
+
+A prepared dataset is a folder with ``manifest.json`` and immutable ``.npy`` shards. The
+manifest lists, per split, each shard's file, token count and sha256, plus the tokenizer
+identity, vocabulary size and dtype. Its digest is the loader's identity, so a checkpoint
+can refuse to resume on different data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "k3-tokens/1"
+
+
+class DataError(ValueError):
+    """A dataset folder, manifest or shard is missing, malformed or modified."""
+
+
+class DataExhausted(Exception):
+    """The split has no complete batch left at the cursor (loaders never wrap by themselves)."""
+
+
+def token_dtype(vocab_size: int) -> str:
+    """uint16 when every id fits, else uint32."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    """Load and structurally validate ``data_dir/manifest.json``."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path} not found: prepare a dataset with `k3-train prepare --out DIR`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise DataError(f"{path} is not a {MANIFEST_FORMAT} manifest")
+    vocab = manifest.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
+        raise DataError(f"{path}: vocab_size must be an integer >= 2, got {vocab!r}")
+    if manifest.get("dtype") != token_dtype(vocab):
+        raise DataError(
+            f"{path}: dtype {manifest.get('dtype')!r} does not match vocab_size {vocab} "
+            f"(expected {token_dtype(vocab)})"
+        )
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise DataError(f"{path}: no splits")
+    for split, shards in splits.items():
+        if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and {"file", "tokens", "sha256"} <= set(s) for s in shards
+        ):
+            raise DataError(f"{path}: split {split!r} must list shards with file, tokens, sha256")
+    return manifest
+
+
+class TokenDataLoader:
+    """Causal ``(x, y)`` batches read sequentially from one split's memory-mapped shards.
+
+    Row ``i`` of a batch at cursor ``o`` is the token window ``[o + i·T, o + (i+1)·T + 1)``;
+    ``x`` is its first ``T`` tokens and ``y`` the same shifted by one. Each batch advances
+    the cursor by ``B·T``. At the end of the split :meth:`next_batch` raises
+    :class:`DataExhausted` instead of wrapping; :meth:`reset` starts over.
+    """
+
+    def __init__(self, path: str | Path, split: str, batch_size: int, seq_len: int, *,
+                 verify: bool = True) -> None:
+        self.path = Path(path)
+        self.split = split
+        self.batch_size = int(batch_size)
+        self.seq_len = int(seq_len)
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise DataError("batch_size and seq_len must be positive")
+        self.manifest = read_manifest(self.path)
+        self.manifest_digest = manifest_digest(self.manifest)
+        self.vocab_size: int = self.manifest["vocab_size"]
+        if split not in self.manifest["splits"]:
+            raise DataError(f"{self.path / MANIFEST} has no split {split!r}")
+        self._shards = [self._open(entry, verify) for entry in self.manifest["splits"][split]]
+        self._starts = np.cumsum([0] + [len(s) for s in self._shards])
+        self.num_tokens = int(self._starts[-1])
+        if self.num_tokens < self.tokens_per_batch + 1:
+            raise DataError(
+                f"split {split!r} of {self.path} has {self.num_tokens} tokens, fewer than one "
+                f"batch needs ({self.batch_size}×{self.seq_len}+1); use a smaller batch_size or "
+                "seq_len, or more data"
+            )
+        self.offset = 0
+
+    def _open(self, entry: dict[str, Any], verify: bool) -> np.ndarray:
+        file = self.path / entry["file"]
+        if not file.is_file():
+            raise DataError(f"shard {file} listed in the manifest is missing")
+        if verify and file_sha256(file) != entry["sha256"]:
+            raise DataError(
+                f"shard {file} does not match its manifest sha256: it was modified after the "
+                "dataset was prepared; prepare the dataset again"
+            )
+        try:
+            array = np.load(file, mmap_mode="r")
+        except (OSError, ValueError) as exc:
+            raise DataError(f"shard {file} is not a readable .npy array: {exc}") from None
+        if array.ndim != 1 or array.dtype != np.dtype(self.manifest["dtype"]):
+            raise DataError(f"shard {file} is {array.dtype}{list(array.shape)}, expected 1-D "
+                            f"{self.manifest['dtype']}")
+        if len(array) != entry["tokens"]:
+            raise DataError(f"shard {file} holds {len(array)} tokens, the manifest says "
+                            f"{entry['tokens']}")
+        return np.asarray(array)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def _window(self, start: int, length: int) -> np.ndarray:
+        pieces, end = [], start + length
+        for shard, lo in zip(self._shards, self._starts[:-1]):
+            hi = lo + len(shard)
+            if hi > start and lo < end:
+                pieces.append(shard[max(start, lo) - lo: min(end, hi) - lo])
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def batch_at(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch whose window starts at ``offset``, without moving the cursor."""
+        if offset < 0 or offset + self.tokens_per_batch + 1 > self.num_tokens:
+            raise DataExhausted(f"no complete batch at offset {offset} of split {self.split!r}")
+        window = torch.from_numpy(self._window(offset, self.tokens_per_batch + 1).astype(np.int64))
+        x = window[:-1].view(self.batch_size, self.seq_len)
+        y = window[1:].view(self.batch_size, self.seq_len)
+        return x, y
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch at the cursor; advances the cursor by ``batch_size·seq_len``."""
+        batch = self.batch_at(self.offset)
+        self.offset += self.tokens_per_batch
+        return batch
+
+    def reset(self) -> None:
+        self.offset = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"offset": self.offset, "manifest_digest": self.manifest_digest}
+
+    def load_state_dict(self, state: Mapping[str, Any], /) -> None:
+        """Restore a cursor saved by :meth:`state_dict` on the same data."""
+        offset = state.get("offset")
+        if state.get("manifest_digest") != self.manifest_digest:
+            raise DataError(f"loader state belongs to different data (manifest digest "
+                            f"{state.get('manifest_digest')!r}, this dataset "
+                            f"{self.manifest_digest!r})")
+        if isinstance(offset, bool) or not isinstance(offset, int) or not (
+                0 <= offset <= self.num_tokens):
+            raise DataError(f"loader offset {offset!r} is outside split {self.split!r} "
+                            f"(0..{self.num_tokens})")
+        self.offset = offset

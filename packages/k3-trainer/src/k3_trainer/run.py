@@ -1,0 +1,79 @@
+"""Run provenance: ``run.json`` records what ran, with which code, data and machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RUN_RECORD = "run.json"
+PACKAGES = ("k3-optim", "k3-qkclip", "k3-checkpoint", "k3-model", "k3-trainer", "torch",
+            "numpy")
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def host() -> dict[str, Any]:
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def read_run_record(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / RUN_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not a k3-train run "
+                                "directory") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(record, dict) or "train_config" not in record:
+        raise ValueError(f"{path} is not a k3-train run record")
+    return record
+
+
+def write_run_record(run_dir: str | Path, *, train_config: dict[str, Any],
+                     model_config: dict[str, Any], preset: str | None, data_dir: str,
+                     manifest_digest: str, device: str, resumed_from_step: int | None) -> None:
+    """Create or extend ``run.json`` (one entry per session), written atomically."""
+    path = Path(run_dir) / RUN_RECORD
+    record: dict[str, Any]
+    if path.exists():
+        record = read_run_record(run_dir)
+    else:
+        record = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sessions": []}
+    record.update(train_config=train_config, model_config=model_config, preset=preset,
+                  data={"dir": data_dir, "manifest_digest": manifest_digest})
+    record["sessions"].append({
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": sys.argv,
+        "resumed_from_step": resumed_from_step,
+        "device": device,
+        "versions": versions(),
+        "host": host(),
+    })
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,118 @@
+"""Trainer-level resume gate: what may change on resume, and zero mutation on rejection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_helpers import SMALL_MODEL, build, fingerprint, train_config
+
+from k3_checkpoint import CheckpointError
+from k3_trainer import (
+    MetricsLog,
+    TokenDataLoader,
+    TrainState,
+    evaluate,
+    load_checkpoint,
+    prepare_dataset,
+    save_checkpoint,
+    train,
+)
+
+
+@pytest.fixture(scope="module")
+def saved(data_dir, tmp_path_factory):
+    """A checkpoint at step 3 of a 6-step run."""
+    path = tmp_path_factory.mktemp("ck") / "checkpoint.pt"
+    config = train_config(max_steps=3, checkpoint_interval=3)
+    model, opt, tl, vl = build(config, data_dir)
+    train(model, opt, tl, vl, config, "cpu", checkpoint_path=path)
+    return path
+
+
+def _moved(config, data_dir, model_config=SMALL_MODEL, data=None):
+    """A live run that differs from the checkpoint everywhere (so mutation would show)."""
+    model, opt, tl, vl = build(config, data or data_dir, model_config, seed=4242)
+    x, y = tl.next_batch()
+    model(x, targets=y)[1].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.rand(5)
+    return model, opt, tl, vl
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"max_steps": 2}, "max_steps"),
+    ({"decay_steps": 50}, "decay_steps"),
+    ({"min_lr_ratio": 0.5}, "min_lr_ratio"),
+    ({"lr_schedule": "constant"}, "lr_schedule"),
+    ({"peak_lr": 1e-2}, "peak_lr"),
+    ({"qk_clip_tau": 30.0}, "tau"),
+    ({"muon_ns_dtype": "fp64"}, "muon_ns_dtype"),
+])
+def test_incompatible_train_config_is_rejected_without_mutation(saved, data_dir, change, match):
+    # The checkpoint's run resolved decay_steps to 3 (its max_steps): keep that, change one.
+    config = train_config(max_steps=6, decay_steps=3).replace(**change)
+    model, opt, tl, vl = _moved(config, data_dir)
+    before = fingerprint(model, opt, [tl, vl])
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(saved, model, opt, config, tl, vl)
+    assert fingerprint(model, opt, [tl, vl]) == before
+
+
+def test_other_model_and_other_data_are_rejected_without_mutation(saved, data_dir, tmp_path):
+    config = train_config(decay_steps=3)
+    other_model = SMALL_MODEL.replace(moe_top_k=1)
+    model, opt, tl, vl = _moved(config, data_dir, other_model)
+    before = fingerprint(model, opt, [tl, vl])
+    with pytest.raises(CheckpointError, match="model_config"):
+        load_checkpoint(saved, model, opt, config, tl, vl)
+    assert fingerprint(model, opt, [tl, vl]) == before
+
+    text = tmp_path / "other.txt"
+    text.write_text("other data " * 2000)
+    prepare_dataset([text], tmp_path / "other")
+    model, opt, tl, vl = _moved(config, data_dir, data=tmp_path / "other")
+    before = fingerprint(model, opt, [tl, vl])
+    with pytest.raises(CheckpointError, match=r"manifest|loader"):
+        load_checkpoint(saved, model, opt, config, tl, vl)
+    assert fingerprint(model, opt, [tl, vl]) == before
+
+
+def test_intervals_may_change_and_max_steps_may_grow(saved, data_dir):
+    config = train_config(max_steps=8, log_interval=1, eval_interval=7, checkpoint_interval=5,
+                          eval_batches=1, decay_steps=3)
+    model, opt, tl, vl = build(config, data_dir)
+    state = load_checkpoint(saved, model, opt, config, tl, vl)
+    assert state.step == 3 and tl.offset == 3 * config.batch_size * config.seq_len
+    log = MetricsLog(None)
+    state = train(model, opt, tl, vl, config, "cpu", state=state, log=log)
+    assert state.step == 8
+    assert [e["step"] for e in log.events if e["event"] == "train"] == [4, 5, 6, 7, 8]
+
+
+def test_save_refuses_live_gradients(data_dir, tmp_path):
+    config = train_config()
+    model, opt, tl, vl = build(config, data_dir)
+    x, y = tl.next_batch()
+    model(x, targets=y)[1].backward()
+    with pytest.raises(CheckpointError, match="zero_grad"):
+        save_checkpoint(tmp_path / "ck.pt", model, opt, TrainState(), config, tl, vl)
+    assert not (tmp_path / "ck.pt").exists() and not (tmp_path / "ck.pt.tmp").exists()
+
+
+def test_evaluate_is_token_weighted_and_changes_nothing(data_dir):
+    config = train_config()
+    model, _, _, vl = build(config, data_dir)
+    model.train()
+    vl.next_batch()
+    state = torch.get_rng_state()
+    loss = evaluate(model, vl, "cpu", max_batches=3)
+    assert model.training and torch.equal(torch.get_rng_state(), state)
+    manual, loader = [], TokenDataLoader(vl.path, "val", vl.batch_size, vl.seq_len)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x, y = loader.next_batch()
+            manual.append(float(model(x, targets=y)[1]))
+    assert loss == pytest.approx(sum(manual) / 3, rel=1e-6)
+    assert vl.offset == 3 * vl.tokens_per_batch  # validation restarts from zero each time

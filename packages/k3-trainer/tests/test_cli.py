@@ -1,0 +1,135 @@
+"""``k3-train`` end to end, in process: resume exactness, run files, one-line user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3_checkpoint import read_payload
+from k3_trainer.cli import main
+from k3_trainer.metrics import read_events
+
+CONFIG = """
+preset = "tiny"
+[model]
+d_model = 32
+n_layers = 2
+n_heads = 2
+kv_lora_rank = 16
+qk_nope_head_dim = 8
+qk_rope_head_dim = 8
+v_head_dim = 8
+n_experts = 4
+moe_d_ff = 32
+d_ff = 64
+[train]
+batch_size = 4
+seq_len = 16
+log_interval = 2
+eval_interval = 3
+eval_batches = 2
+warmup_steps = 1
+decay_steps = 6
+"""
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "small.toml"
+    path.write_text(CONFIG)
+    return path
+
+
+def _train(run_dir, data_dir, config_file, *extra):
+    return main(["train", "--run-dir", str(run_dir), "--data", str(data_dir),
+                 "--config", str(config_file), *extra])
+
+
+def test_split_run_with_resume_equals_continuous_run(tmp_path, data_dir, config_file):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _train(a, data_dir, config_file, "--max-steps", "6", "--checkpoint-interval", "2") == 0
+    assert _train(b, data_dir, config_file, "--max-steps", "3") == 0
+    assert main(["train", "--run-dir", str(b), "--resume", "--max-steps", "6"]) == 0
+    pa, pb = read_payload(a / "checkpoint.pt"), read_payload(b / "checkpoint.pt")
+    assert pa["counters"] == pb["counters"] and pa["counters"]["step"] == 6
+    for key, tensor in pa["model"].items():
+        assert torch.equal(tensor, pb["model"][key]), key
+    for index, state in pa["optimizer"]["state"].items():
+        for field, value in state.items():
+            assert torch.equal(value, pb["optimizer"]["state"][index][field]), (index, field)
+    assert pa["loaders"] == pb["loaders"]
+
+    events = read_events(b / "metrics.jsonl")
+    assert [e["event"] for e in events].count("session_start") == 2
+    assert {"session_start", "train", "eval", "checkpoint", "session_end"} <= {
+        e["event"] for e in events}
+    record = json.loads((b / "run.json").read_text())
+    assert [s["resumed_from_step"] for s in record["sessions"]] == [None, 3]
+    assert record["data"]["manifest_digest"] == pa["loaders"]["train"]["manifest_digest"]
+    assert record["sessions"][0]["versions"]["torch"]
+
+
+def _error(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def test_user_errors_are_one_line_without_traceback(tmp_path, data_dir, config_file, capsys):
+    run = tmp_path / "run"
+    assert _train(run, data_dir, config_file, "--max-steps", "2") == 0
+    capsys.readouterr()
+    cases = [
+        (["train", "--run-dir", str(run), "--data", str(data_dir)], "already holds a run"),
+        (["train", "--run-dir", str(tmp_path / "new"), "--resume"], "not found"),
+        (["train", "--run-dir", str(tmp_path / "x"), "--data", str(data_dir), "--batch-size",
+          "0"], "batch_size"),
+        (["train", "--run-dir", str(tmp_path / "x"), "--data", str(data_dir), "--precision",
+          "fp16"], "fp16"),
+        (["train", "--run-dir", str(tmp_path / "x"), "--data", str(tmp_path / "nodata")],
+         "manifest.json not found"),
+        (["train", "--run-dir", str(tmp_path / "x"), "--data", str(data_dir), "--preset",
+          "huge"], "preset"),
+        (["train", "--run-dir", str(run), "--resume", "--max-steps", "1"], "max_steps"),
+        (["train", "--run-dir", str(run), "--resume", "--preset", "small"],
+         "incompatible vocab_size"),
+    ]
+    for argv, match in cases:
+        code, err = _error(capsys, argv)
+        assert code == 2, (argv, err)
+        assert len(err) == 1 and match in err[0] and err[0].startswith("k3-train: error:"), err
+    assert not (tmp_path / "x").exists(), "a refused run must write nothing"
+
+    checkpoint = run / "checkpoint.pt"
+    data = bytearray(checkpoint.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    checkpoint.write_bytes(bytes(data))
+    before = (run / "metrics.jsonl").read_text()
+    code, err = _error(capsys, ["train", "--run-dir", str(run), "--resume", "--max-steps", "4"])
+    assert code == 2 and len(err) == 1 and "corrupt" in err[0] and "checkpoint.pt" in err[0]
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_prepare_inspect_and_eval(tmp_path, data_dir, config_file, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n" * 500)
+    assert main(["prepare", str(text), "--out", str(tmp_path / "d")]) == 0
+    assert "train 5,700 tokens" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert _train(run, data_dir, config_file, "--max-steps", "2") == 0
+    capsys.readouterr()
+    assert main(["inspect", str(run / "checkpoint.pt")]) == 0
+    assert "step" in capsys.readouterr().out
+    assert main(["eval", "--run-dir", str(run)]) == 0
+    assert "val_loss" in capsys.readouterr().out
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "k3_trainer.cli", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for command in ("prepare", "train", "eval", "inspect"):
+        assert command in out

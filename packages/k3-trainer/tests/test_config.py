@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from k3_trainer import ConfigError, TrainConfig, TrainState
+
+BAD_VALUES = {
+    "batch_size": [0, -1, 2.0, True, "8"],
+    "seq_len": [0, 1.5],
+    "gradient_accumulation_steps": [0],
+    "peak_lr": [0.0, -1e-3, float("nan"), float("inf"), "1e-3"],
+    "weight_decay": [-0.1, float("nan")],
+    "adam_beta1": [1.0, -0.1],
+    "adam_beta2": [1.5],
+    "adam_eps": [-1e-8],
+    "muon_momentum": [1.0, -0.5],
+    "muon_nesterov": ["yes", 1],
+    "muon_ns_steps": [0],
+    "muon_ns_dtype": ["fp16", "float8"],
+    "muon_ns_coefficients": ["cubic"],
+    "muon_update_scale": ["rms"],
+    "max_grad_norm": [-1.0, float("inf")],
+    "lr_schedule": ["linear"],
+    "warmup_steps": [-1, 0.5],
+    "decay_steps": [0],
+    "min_lr_ratio": [-0.1, 1.5],
+    "max_steps": [0],
+    "log_interval": [0],
+    "eval_interval": [0],
+    "checkpoint_interval": [-5],
+    "eval_batches": [0],
+    "precision": ["fp8", "FP32"],
+    "qk_clip_enabled": ["true"],
+    "qk_clip_tau": [0.0, -1.0, float("inf")],
+    "qk_clip_gqa": ["per_head"],
+    "seed": [-1, 1.5],
+    "overfit_batch": [None],
+}
+
+
+def test_every_field_has_a_rejection_case():
+    assert set(BAD_VALUES) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+@pytest.mark.parametrize(("field", "value"),
+                         [(f, v) for f, values in BAD_VALUES.items() for v in values])
+def test_invalid_values_raise_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_cross_field_rule_and_unknown_keys():
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        TrainConfig(warmup_steps=50, decay_steps=50)
+    TrainConfig(warmup_steps=50, decay_steps=50, lr_schedule="constant")  # fine without decay
+    with pytest.raises(ConfigError, match="learning_rate"):
+        TrainConfig.from_dict({"learning_rate": 1e-3})
+
+
+def test_round_trip_and_defaults():
+    cfg = TrainConfig(batch_size=4, max_grad_norm=0.0, muon_ns_dtype="fp64")
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.tokens_per_update == 4 * 128
+    state = TrainState()
+    assert (state.step, state.tokens_seen, state.skipped_updates) == (0, 0, 0)
+    assert state.fixed_batch_offset is None and state.grad_scaler_state is None

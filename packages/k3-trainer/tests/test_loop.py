@@ -1,0 +1,169 @@
+"""The update loop against the spec: resume exactness, overfit mode, events, skips, failures."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from trainer_helpers import InjectAt, assert_same_state, build, train_config
+
+from k3_trainer import (
+    ConfigError,
+    MetricsLog,
+    TrainState,
+    learning_rate_at_step,
+    load_checkpoint,
+    train,
+)
+
+
+def _run(config, data_dir, *, state=None, checkpoint=None, seed=None, resume_from=None):
+    model, opt, tl, vl = build(config, data_dir, seed=seed)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, opt, config, tl, vl)
+    log = MetricsLog(None)
+    state = train(model, opt, tl, vl, config, "cpu", state=state, log=log,
+                  checkpoint_path=checkpoint)
+    return model, opt, tl, vl, state, log
+
+
+@pytest.mark.parametrize("variant", [
+    {},  # fp32, cosine with warmup crossing the interruption, MoE + MLA + QK-Clip observing
+    {"gradient_accumulation_steps": 2, "qk_clip_tau": 0.01},  # accumulation; clipping active
+])
+def test_resumed_session_equals_continuous_training(data_dir, tmp_path, variant):
+    config = train_config(warmup_steps=4, **variant)
+    model_a, opt_a, tl_a, vl_a, state_a, _ = _run(config, data_dir)
+
+    first = config.replace(max_steps=3)
+    _run(first, data_dir, checkpoint=tmp_path / "ck.pt")
+    # A fresh process would build everything from a different RNG state; the load
+    # must overwrite all of it.
+    model_b, opt_b, tl_b, vl_b, state_b, log_b = _run(
+        config, data_dir, seed=999, resume_from=tmp_path / "ck.pt")
+
+    assert_same_state(model_a, opt_a, model_b, opt_b)
+    assert (state_a.step, state_a.tokens_seen) == (state_b.step, state_b.tokens_seen) == (
+        6, 6 * config.tokens_per_update)
+    assert tl_a.state_dict() == tl_b.state_dict()
+    assert log_b.events[0]["step"] == 3
+
+
+def test_rng_streams_continue_exactly_after_resume(data_dir, tmp_path):
+    config = train_config()
+    _run(config, data_dir)
+    continuous = (random.random(), torch.rand(4))
+    _run(config.replace(max_steps=3), data_dir, checkpoint=tmp_path / "ck.pt")
+    _run(config, data_dir, seed=5, resume_from=tmp_path / "ck.pt")
+    resumed = (random.random(), torch.rand(4))
+    assert continuous[0] == resumed[0] and torch.equal(continuous[1], resumed[1])
+
+
+def test_overfit_batch_is_reused_and_loss_falls(data_dir):
+    config = train_config(overfit_batch=True, max_steps=30, log_interval=5, eval_interval=30,
+                          peak_lr=1e-2, warmup_steps=3)
+    model, opt, tl, vl, state, log = _run(config, data_dir)
+    assert tl.offset == 0, "overfit mode must not move the loader cursor"
+    assert state.fixed_batch_offset == 0
+    losses = [e["loss"] for e in log.events if e["event"] == "train"]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert state.tokens_seen == 30 * config.tokens_per_update
+
+
+def test_events_and_all_three_boundaries_on_the_final_step(data_dir, tmp_path):
+    config = train_config(max_steps=5, log_interval=2, eval_interval=2, checkpoint_interval=2)
+    *_, log = _run(config, data_dir, checkpoint=tmp_path / "ck.pt")
+    kinds = [(e["event"], e.get("step")) for e in log.events]
+    assert kinds[0] == ("session_start", 0) and kinds[-1] == ("session_end", 5)
+    for step in (2, 4, 5):
+        for event in ("train", "eval", "checkpoint"):
+            assert (event, step) in kinds, (event, step)
+    assert ("train", 3) not in kinds
+    train_event = next(e for e in log.events if e["event"] == "train")
+    for field in ("loss", "lr", "tokens_seen", "grad_norm", "tokens_per_s", "qk_max_logit",
+                  "moe_load_cv"):
+        assert isinstance(train_event[field], float | int), field
+    assert train_event["lr"] == pytest.approx(learning_rate_at_step(config, 2))
+    assert (tmp_path / "ck.pt").is_file() and not (tmp_path / "ck.pt.tmp").exists()
+
+
+def test_qk_clip_applies_after_each_real_step(data_dir):
+    config = train_config(qk_clip_tau=0.01, max_steps=4, log_interval=1)
+    *_, log = _run(config, data_dir)
+    trains = [e for e in log.events if e["event"] == "train"]
+    assert all(e["qk_heads_clipped"] > 0 for e in trains)
+    assert all(e["qk_max_logit"] > 0.01 for e in trains)
+    unclipped = train_config(max_steps=4, log_interval=1)
+    *_, log2 = _run(unclipped, data_dir)
+    assert all(e["qk_heads_clipped"] == 0 for e in log2.events if e["event"] == "train")
+
+
+def _scaler():
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+
+
+def test_fp16_style_skip_consumes_data_but_not_the_schedule(data_dir):
+    """Harness: an enabled GradScaler on CPU and an overflow injected into attempt 3."""
+    config = train_config(max_steps=5, log_interval=1)
+    model, opt, tl, vl = build(config, data_dir)
+    wrapped = InjectAt(model, calls={3})
+    real_steps, lrs = [], []
+    opt.register_step_pre_hook(lambda o, *_: lrs.append(o.param_groups[0]["lr"]))
+    opt.register_step_post_hook(lambda o, *_: real_steps.append(1))
+    log = MetricsLog(None)
+    state = train(wrapped, opt, tl, vl, config, "cpu", log=log, grad_scaler=_scaler())
+    assert state.step == 5 and state.skipped_updates == 1
+    assert state.tokens_seen == 6 * config.tokens_per_update  # the skipped attempt counted
+    assert len(real_steps) == 5
+    assert lrs == pytest.approx([learning_rate_at_step(config, s) for s in range(1, 6)])
+    overflow = [e for e in log.events if e["event"] == "overflow"]
+    assert len(overflow) == 1 and overflow[0]["step"] == 3 and overflow[0]["scale"] == 512.0
+    assert state.grad_scaler_state is not None and state.grad_scaler_state["scale"] == 512.0
+    assert tl.offset == 6 * config.batch_size * config.seq_len  # the retry used new data
+
+
+def test_32_consecutive_skips_raise(data_dir):
+    config = train_config(max_steps=5)
+    model, opt, tl, vl = build(config, data_dir)
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = TrainState()
+    with pytest.raises(FloatingPointError, match="32 consecutive"):
+        train(InjectAt(model, calls=set(range(1, 100))), opt, tl, vl, config, "cpu",
+              state=state, grad_scaler=_scaler())
+    assert state.step == 0 and state.skipped_updates == 32
+    assert len(opt.state) == 0, "a skipped attempt must not create or change optimizer state"
+    # Parameters are untouched; the MoE balancer's buffers did move (they update in forward).
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_nonfinite_loss_raises_before_backward_and_counting(data_dir):
+    config = train_config(max_steps=3)
+    model, opt, tl, vl = build(config, data_dir)
+    state = TrainState()
+    with pytest.raises(FloatingPointError, match="Non-finite training loss at step 2"):
+        train(InjectAt(model, calls={2}, kind="nan_loss"), opt, tl, vl, config, "cpu",
+              state=state)
+    assert state.step == 1 and state.tokens_seen == config.tokens_per_update
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_precision_contracts(data_dir):
+    config = train_config(precision="fp16")
+    model, opt, tl, vl = build(config, data_dir)
+    with pytest.raises(ConfigError, match="fp16"):
+        train(model, opt, tl, vl, config, "cpu")
+    bf16 = train_config(precision="bf16")
+    model, opt, tl, vl = build(bf16, data_dir)
+    model.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="fp32 master"):
+        train(model, opt, tl, vl, bf16, "cpu")
+
+
+def test_bf16_autocast_training_keeps_fp32_masters(data_dir):
+    config = train_config(precision="bf16", max_steps=2, eval_interval=2)
+    model, opt, tl, vl, state, log = _run(config, data_dir)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(math.isfinite(e["loss"]) for e in log.events if e["event"] == "train")
+    assert state.grad_scaler_state is None  # no scaler for bf16

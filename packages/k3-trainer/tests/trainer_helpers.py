@@ -1,0 +1,89 @@
+"""Builders and fingerprints shared by the trainer tests."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from k3_model import K3Config, K3Model
+from k3_trainer import TokenDataLoader, TrainConfig, build_optimizer
+
+# Small enough for many short runs on 2 CPU cores, but with every mechanism: MLA
+# attention observed by QK-Clip, a dense layer and a quantile-balanced MoE layer.
+SMALL_MODEL = K3Config(
+    vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=64, attention="mla",
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    mlp="moe", d_ff=64, n_dense_layers=1, n_experts=4, moe_top_k=2, moe_d_ff=32,
+)
+
+SMALL_TRAIN = dict(batch_size=4, seq_len=16, max_steps=6, log_interval=2, eval_interval=3,
+                   checkpoint_interval=3, eval_batches=2, peak_lr=3e-3)
+
+
+def train_config(**overrides) -> TrainConfig:
+    return TrainConfig(**{**SMALL_TRAIN, **overrides})
+
+
+def build(config: TrainConfig, data_dir, model_config: K3Config = SMALL_MODEL, seed=None):
+    """Seed, then model, optimizer and both loaders, as the CLI builds them."""
+    seed = config.seed if seed is None else seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model = K3Model(model_config)
+    optimizer = build_optimizer(model, config)
+    train_loader = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len)
+    val_loader = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len)
+    return model, optimizer, train_loader, val_loader
+
+
+def fingerprint(model: nn.Module, optimizer, loaders) -> dict[str, str]:
+    """sha256 of model state, optimizer state, loader cursors and the global RNG."""
+    def digest(obj) -> str:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return hashlib.sha256(buffer.getvalue()).hexdigest()
+
+    return {
+        "model": digest(model.state_dict()),
+        "optimizer": digest(optimizer.state_dict()),
+        "loaders": digest([loader.state_dict() for loader in loaders]),
+        "rng": digest([random.getstate(), np.random.get_state(), torch.get_rng_state()]),
+    }
+
+
+def assert_same_state(a_model, a_opt, b_model, b_opt) -> None:
+    for (name, x), y in zip(a_model.state_dict().items(), b_model.state_dict().values()):
+        assert torch.equal(x, y), name
+    sa, sb = a_opt.state_dict(), b_opt.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for key in sa["state"]:
+        for field, value in sa["state"][key].items():
+            assert torch.equal(value, sb["state"][key][field]), (key, field)
+
+
+class InjectAt(nn.Module):
+    """Wraps a model; on chosen training calls makes the gradient overflow (``"inf"``) or
+    the loss non-finite (``"nan_loss"``), for the FP16-skip and failure paths on CPU."""
+
+    def __init__(self, inner: nn.Module, calls: set[int], kind: str = "inf") -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.calls, self.kind, self.count = calls, kind, 0
+
+    def forward(self, x, targets=None):
+        logits, loss = self.inner(x, targets=targets)
+        if self.training:
+            self.count += 1
+            if self.count in self.calls:
+                if self.kind == "nan_loss":
+                    loss = loss * float("nan")
+                else:
+                    loss.register_hook(lambda g: g * float("inf"))
+        return logits, loss
