@@ -9,6 +9,7 @@ one (trainer, bare, bare+QK-Clip, trainer, ...) so machine noise hits all alike.
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -108,8 +109,35 @@ def main() -> None:
     print_table(f"Step time, tiny preset, {config.batch_size}×{config.seq_len} tokens, fp32, "
                 f"{total - warmup} interleaved steps each", ["loop", "median ms/step",
                                                             "min–max", "× bare loop"], rows)
-    write_json(args.json, {t.name: {"median_s": t.median, "seconds": t.seconds}
-                           for t in timings.values()})
+    diagnostics = bench_diagnostics(config, data, val, chunks=2 if args.quick else 6)
+    write_json(args.json, {**{t.name: {"median_s": t.median, "seconds": t.seconds}
+                              for t in timings.values()}, "diagnostics": diagnostics})
+
+
+def bench_diagnostics(config: TrainConfig, data: Path, val: TokenDataLoader,
+                      chunks: int, chunk: int = 10) -> dict[str, float]:
+    """train() with diagnostics (MoE routing stats, window QK summary) on vs off, in
+    alternating chunks; per-step gaps between on_update calls, first gap of a chunk and
+    the chunk's closing eval/log excluded (the profiler window is never on here)."""
+    runs = {True: (_setup(config, data), TrainState()), False: (_setup(config, data),
+                                                                 TrainState())}
+    timings = {True: Timing("diagnostics on"), False: Timing("diagnostics off")}
+    for index in range(chunks + 1):  # chunk 0 warms up
+        for flag, ((model, opt, loader), state) in runs.items():
+            marks: list[float] = []
+            train(model, opt, loader, val, config.replace(max_steps=state.step + chunk,
+                                                          eval_batches=1),
+                  "cpu", state=state, log=MetricsLog(None), diagnostics=flag,
+                  on_update=lambda s, stats, marks=marks: marks.append(time.perf_counter()))
+            if index:
+                timings[flag].seconds.extend(b - a for a, b in itertools.pairwise(marks))
+    on, off = timings[True], timings[False]
+    print_table(f"Diagnostics overhead, tiny preset, {chunks} alternating chunks of {chunk}",
+                ["train()", "median ms/step", "min–max", "× off"],
+                [[t.name, f"{t.median * 1e3:.1f}", t.spread(), f"{t.median / off.median:.3f}"]
+                 for t in (off, on)])
+    return {"on_median_s": on.median, "off_median_s": off.median,
+            "ratio": on.median / off.median}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from k3_checkpoint import CheckpointError
 
 from .config import ConfigError, TrainConfig
 from .data import DataError
-from .runner import RunError, run_eval, run_inspect, run_prepare, run_train
+from .runner import RunError, run_eval, run_inspect, run_prepare, run_report, run_train
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from RUN_DIR/checkpoint.pt (strictly validated)")
     train.add_argument("--preset", help="model size preset (default: tiny)")
     train.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    train.add_argument("--report", action="store_true",
+                       help="write RUN_DIR/report/ (plots + index.html) at the end")
+    train.add_argument("--tensorboard", action="store_true",
+                       help="also write TensorBoard scalars to RUN_DIR/tensorboard")
+    train.add_argument("--profile-start", type=int, metavar="STEP",
+                       help="trace attempts from this step with torch.profiler")
+    train.add_argument("--profile-steps", type=int, default=3, metavar="N",
+                       help="attempts in the trace window (default 3, at most 20)")
     fields = train.add_argument_group("TrainConfig fields (override the config file)")
     for field in dataclasses.fields(TrainConfig):
         fields.add_argument(f"--{field.name.replace('_', '-')}", dest=f"cfg_{field.name}",
@@ -80,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="summarize a checkpoint without loading it")
     inspect.add_argument("checkpoint", type=Path)
+
+    report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report/")
+    report.add_argument("--run-dir", required=True, type=Path)
     return parser
 
 
@@ -118,13 +129,17 @@ def main(argv: list[str] | None = None) -> int:
             return run_prepare(args.inputs, args.out, args.val_fraction)
         if args.command == "inspect":
             return run_inspect(args.checkpoint)
+        if args.command == "report":
+            return run_report(args.run_dir)
         if args.command == "eval":
             return run_eval(args.run_dir, args.data, args.batches, _device(args.device))
         overrides = {name[4:]: value for name, value in vars(args).items()
                      if name.startswith("cfg_") and value is not None}
         return run_train(run_dir=args.run_dir, data=args.data, toml=_read_toml(args.config),
                          resume=args.resume, preset=args.preset, overrides=overrides,
-                         device=_device(args.device))
+                         device=_device(args.device), report=args.report,
+                         tensorboard=args.tensorboard, profile_start=args.profile_start,
+                         profile_steps=args.profile_steps)
     except (ConfigError, DataError, CheckpointError, RunError, FileNotFoundError) as exc:
         print(f"k3-train: error: {exc}", file=sys.stderr)
         return 2

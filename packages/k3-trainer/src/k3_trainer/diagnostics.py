@@ -14,9 +14,9 @@ from torch import nn
 
 
 class MoEDiagnostics:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, enabled: bool = True) -> None:
         self.model = model
-        self.enabled = callable(getattr(model, "set_moe_stats", None)) and callable(
+        self.enabled = enabled and callable(getattr(model, "set_moe_stats", None)) and callable(
             getattr(model, "pop_moe_stats", None))
 
     def __enter__(self) -> MoEDiagnostics:
@@ -47,4 +47,6 @@ class MoEDiagnostics:
         }
         for name, m in per_layer.items():
             fields[f"moe_load_cv/{name}"] = m["load_cv"]
+            fields[f"moe_dead_experts/{name}"] = m["dead_experts"]
+            fields[f"moe_bias_range/{name}"] = m["bias_max"] - m["bias_min"]
         return fields

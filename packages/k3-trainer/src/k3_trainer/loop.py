@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from k3_model import K3Config, flops_per_token
 from k3_qkclip import QKClip
 
 from .checkpointing import qk_clip_policy, save_checkpoint
@@ -48,6 +49,7 @@ def train(
     grad_scaler: torch.amp.GradScaler | None = None,
     profiler: TrainingProfiler | None = None,
     on_update: Callable[[TrainState, dict[str, Any]], None] | None = None,
+    diagnostics: bool = True,
 ) -> TrainState:
     """Train until ``state.step == config.max_steps``; returns the final counters.
 
@@ -55,12 +57,14 @@ def train(
     receives the events; ``checkpoint_path`` (None: never save) is rewritten atomically
     on checkpoint steps. ``grad_scaler`` replaces the precision's scaler, which lets a
     test harness exercise the FP16 skip path on CPU. ``on_update(state, stats)`` is
-    called after every successful update (the CLI's progress bar).
+    called after every successful update (the CLI's progress bar). ``diagnostics=False``
+    leaves out MoE routing statistics and the window's QK-Clip summary (QK-Clip itself
+    still runs).
     """
     device = torch.device(device)
     state = state if state is not None else TrainState()
     log = log if log is not None else MetricsLog(None)
-    profiler = profiler if profiler is not None else TrainingProfiler()
+    profiler = profiler if profiler is not None else TrainingProfiler(device)
     if grad_scaler is None:
         validate_precision(config.precision, device)
     validate_master_weights(model, config.precision)
@@ -77,14 +81,17 @@ def train(
     if config.overfit_batch and state.fixed_batch_offset is not None:
         fixed_batch = _to_device(train_loader.batch_at(state.fixed_batch_offset), device)
 
-    window = TrainingWindow()
+    window = TrainingWindow(device, precision=config.precision,
+                            flops_per_token=model_flops_per_token(model, config.seq_len))
     consecutive_skips = 0
-    with profiler, MoEDiagnostics(model) as moe, QKClip(model, qk_clip_policy(config)) as qk_clip:
+    moe_diagnostics = MoEDiagnostics(model, enabled=diagnostics)
+    with profiler, moe_diagnostics as moe, QKClip(model, qk_clip_policy(config)) as qk_clip:
         log.write("session_start", step=state.step, tokens_seen=state.tokens_seen,
                   max_steps=config.max_steps, precision=config.precision, device=str(device))
         while state.step < config.max_steps:
-            qk_clip.reset()
             step = state.step + 1
+            profiler.begin_attempt(step)
+            qk_clip.reset()
             lr = learning_rate_at_step(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -123,7 +130,9 @@ def train(
                     if skipped:
                         qk_clip.reset()
                     else:
-                        window.qk_report = qk_clip.apply()
+                        report = qk_clip.apply()
+                        if diagnostics:
+                            window.add_qk(report)
                 optimizer.zero_grad(set_to_none=True)
             profiler.attempt_done()
 
@@ -147,11 +156,8 @@ def train(
                                   "tokens_per_s": window.tokens_per_s(profiler)})
             _auxiliary(model, optimizer, train_loader, val_loader, config, device, state,
                        log, checkpoint_path, profiler, window, moe)
-        log.write("session_end", step=state.step, tokens_seen=state.tokens_seen,
-                  skipped_updates=state.skipped_updates,
-                  active_training_s=round(profiler.active_training_seconds(), 4),
-                  wall_s=round(profiler.wall_seconds(), 4),
-                  phase_s={k: round(v, 4) for k, v in profiler.phase_seconds.items()})
+    log.write("session_end", step=state.step, tokens_seen=state.tokens_seen,
+              skipped_updates=state.skipped_updates, **profiler.summary())
     return state
 
 
@@ -205,6 +211,18 @@ def _get_training_batch(train_loader: TokenDataLoader, device: torch.device,
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     x, y = batch
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> float | None:
+    """Training FLOPs per token from the model (``flops_per_token(seq_len)``) or, for a
+    k3-model ``K3Model``, its config; None when unknown (MFU is then reported as None)."""
+    own = getattr(model, "flops_per_token", None)
+    if callable(own):
+        return float(own(seq_len))
+    config = getattr(model, "config", None)
+    if isinstance(config, K3Config):
+        return float(flops_per_token(config, seq_len))
+    return None
 
 
 def _vocab_size(model: nn.Module) -> int:

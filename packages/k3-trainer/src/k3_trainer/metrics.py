@@ -10,14 +10,16 @@ from typing import Any
 
 
 class MetricsLog:
-    """Append-only JSONL events, each with an ``event`` name and a wall-clock ``time``.
+    """Append-only JSONL events, each with an ``event`` name and a wall-clock ``time``;
+    optional ``sinks`` (e.g. :class:`~k3_trainer.sinks.TensorBoardSink`) get each record too.
 
     Lines are flushed as they are written, so a killed run keeps every event it logged.
     Non-finite floats are written as ``null`` to keep the file strict JSON.
     """
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, sinks: list[Any] | None = None) -> None:
         self.path = Path(path) if path is not None else None
+        self.sinks = list(sinks or [])
         self._file = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,12 +32,17 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=False) + "\n")
             self._file.flush()
+        for sink in self.sinks:
+            sink.write(record)
         return record
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def __enter__(self) -> MetricsLog:
         return self

@@ -30,7 +30,9 @@ from .optim import build_optimizer
 from .precision import validate_precision
 from .prepare import prepare_dataset
 from .profiling import TrainingProfiler
+from .report import write_report
 from .run import read_run_record, write_run_record
+from .sinks import TensorBoardSink
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -117,7 +119,9 @@ class _Session:
 
 
 def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume: bool,
-              preset: str | None, overrides: dict[str, Any], device: torch.device) -> int:
+              preset: str | None, overrides: dict[str, Any], device: torch.device,
+              report: bool = False, tensorboard: bool = False, profile_start: int | None = None,
+              profile_steps: int = 3) -> int:
     preset = preset or toml.get("preset")
     if resume:
         if not (run_dir / CHECKPOINT).is_file():
@@ -134,6 +138,15 @@ def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume:
         model_config = _model_config(preset, toml.get("model", {}), None)
         data_dir = resolve_data(data)
     validate_precision(config.precision, device)
+    try:
+        profiler = TrainingProfiler(device, trace_dir=run_dir / "profile",
+                                    trace_start=profile_start, trace_steps=profile_steps)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if report:
+        _require_matplotlib()
+    if tensorboard:
+        TensorBoardSink.require()
     session = _Session(config, model_config, data_dir, device)
     state = TrainState()
     if resume:
@@ -148,16 +161,31 @@ def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume:
                      preset=preset, data_dir=str(data_dir.resolve()),
                      manifest_digest=session.train_loader.manifest_digest, device=str(device),
                      resumed_from_step=state.step if resume else None)
+    sinks = [TensorBoardSink(run_dir / "tensorboard")] if tensorboard else []
     bar = _progress(config, state)
-    with MetricsLog(run_dir / METRICS) as log:
+    with MetricsLog(run_dir / METRICS, sinks=sinks) as log:
         state = train(session.model, session.optimizer, session.train_loader,
                       session.val_loader, config, device, state=state, log=log,
-                      checkpoint_path=run_dir / CHECKPOINT, profiler=TrainingProfiler(),
+                      checkpoint_path=run_dir / CHECKPOINT, profiler=profiler,
                       on_update=bar.update if bar else None)
         if bar:
             bar.close()
         _summary(log, run_dir)
+    if report:
+        print(f"k3-train: report in {write_report(run_dir)}")
     return 0
+
+
+def run_report(run_dir: Path) -> int:
+    print(f"k3-train: report in {write_report(run_dir)}")
+    return 0
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--report needs matplotlib: pip install 'k3-trainer[report]'") from None
 
 
 def run_eval(run_dir: Path, data: Path | None, batches: int | None,

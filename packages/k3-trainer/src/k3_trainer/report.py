@@ -1,0 +1,111 @@
+"""``k3-train report``: PNG plots of a run's ``metrics.jsonl`` and a one-page HTML index.
+
+Needs matplotlib (``pip install 'k3-trainer[report]'``; the workspace's default
+environment has it). Events from every session are combined; when a resumed session
+logs a step again (work after the last checkpoint of a killed session is redone), the
+later record wins.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+from .metrics import read_events
+
+REPORT_DIR = "report"
+
+
+def _series(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    by_step: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if event.get("event") == kind and isinstance(event.get("step"), int):
+            by_step[event["step"]] = event
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _prefixed(rows: list[dict[str, Any]], prefix: str) -> list[str]:
+    return sorted({k for row in rows for k in row if k.startswith(prefix)})
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Render the plots into ``run_dir/report/`` and return the path of ``index.html``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("the report needs matplotlib: pip install 'k3-trainer[report]'") from None
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ConfigError(f"{metrics} not found: {run_dir} is not a k3-train run directory")
+    events = read_events(metrics)
+    train, evals = _series(events, "train"), _series(events, "eval")
+    if not train:
+        raise ConfigError(f"{metrics} has no train events yet: nothing to plot")
+    out = run_dir / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+
+    def plot(name: str, title: str, xlabel: str, ylabel: str,
+             lines: list[tuple[str, list[float], list[Any]]], log_y: bool = False) -> str:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for label, xs, ys in lines:
+            points = [(x, y) for x, y in zip(xs, ys) if isinstance(y, int | float)]
+            if points:
+                ax.plot(*zip(*points), label=label, marker="." if len(points) < 40 else None)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if len(lines) > 1:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png")
+        plt.close(fig)
+        return f"{name}.png"
+
+    steps = [e["step"] for e in train]
+    tokens = [e["tokens_seen"] for e in train]
+    images = [
+        plot("loss", "Loss", "tokens seen", "mean token loss (nats)",
+             [("train", tokens, [e.get("loss") for e in train]),
+              ("validation", [e["tokens_seen"] for e in evals],
+               [e.get("val_loss") for e in evals])]),
+        plot("lr", "Learning rate", "step", "LR", [("lr", steps, [e.get("lr") for e in train])]),
+        plot("grad_norm", "Gradient norm (pre-clip)", "step", "L2 norm",
+             [("window mean", steps, [e.get("grad_norm") for e in train]),
+              ("window max", steps, [e.get("grad_norm_max") for e in train])], log_y=True),
+        plot("qk_max_logit", "QK-Clip: max pre-softmax logit per attention layer", "step",
+             "max logit", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
+                           for k in _prefixed(train, "qk_max_logit/")]
+             or [("all layers", steps, [e.get("qk_max_logit") for e in train])]),
+        plot("moe_load_cv", "MoE: expert-load coefficient of variation per layer", "step",
+             "load CV (0 = even)", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
+                                    for k in _prefixed(train, "moe_load_cv/")]),
+        plot("throughput", "Throughput (active training)", "step", "tokens/s",
+             [("tokens/s", steps, [e.get("tokens_per_s") for e in train])]),
+    ]
+    last = train[-1]
+    facts = [("steps", last["step"]), ("tokens seen", f"{last['tokens_seen']:,}"),
+             ("last train loss", f"{last.get('loss', float('nan')):.4f}")]
+    if evals:
+        facts.append(("last validation loss", f"{evals[-1].get('val_loss', float('nan')):.4f}"))
+    if last.get("mfu") is not None:
+        facts.append(("MFU (last window)", f"{last['mfu']:.1%}"))
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in facts)
+    figures = "".join(f'<figure><img src="{name}" alt="{name[:-4]}"></figure>' for name in images)
+    index = out / "index.html"
+    index.write_text(
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>k3-train report: {html.escape(run_dir.name)}</title>"
+        "<style>body{font-family:sans-serif;max-width:1500px;margin:1em auto}"
+        "figure{display:inline-block;margin:.5em}img{width:680px}"
+        "th{text-align:left;padding-right:1em}</style></head><body>"
+        f"<h1>{html.escape(run_dir.name)}</h1><table>{rows}</table>{figures}</body></html>\n"
+    )
+    return index

@@ -1,0 +1,105 @@
+"""Profiling, training windows, diagnostics, sinks and the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+from trainer_helpers import build, train_config
+
+from k3_trainer import MetricsLog, TrainingProfiler, TrainingWindow, train
+from k3_trainer.cli import main
+from k3_trainer.metrics import read_events
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_phase_times_add_up_to_the_session_wall_time(data_dir, tmp_path):
+    config = train_config(max_steps=6, eval_interval=3, checkpoint_interval=3)
+    model, opt, tl, vl = build(config, data_dir)
+    log = MetricsLog(None)
+    train(model, opt, tl, vl, config, "cpu", log=log, checkpoint_path=tmp_path / "ck.pt")
+    end = log.events[-1]
+    phases = end["phase_s"]
+    top_level = sum(v for k, v in phases.items() if k != "train/qk_clip")  # nested in optimizer
+    # Stated tolerance: the named phases cover at least 95% of the session's wall time.
+    assert top_level <= end["wall_s"] and top_level >= 0.95 * end["wall_s"], end
+    auxiliary = phases["eval"] + phases["checkpoint"] + phases["log"]
+    assert end["active_training_s"] + auxiliary == pytest.approx(end["wall_s"], rel=0.05)
+    assert end["attempts"] == 6
+
+
+def test_bounded_profiler_window_traces_exactly_the_requested_attempts(data_dir, tmp_path):
+    config = train_config(max_steps=6)
+    model, opt, tl, vl = build(config, data_dir)
+    profiler = TrainingProfiler("cpu", trace_dir=tmp_path / "profile", trace_start=3,
+                                trace_steps=2)
+    train(model, opt, tl, vl, config, "cpu", profiler=profiler)
+    trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith(
+        "train/attempt#")}
+    assert steps == {"train/attempt#3", "train/attempt#4"}
+    assert {"train/forward", "train/optimizer"} <= {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::" in (tmp_path / "profile" / "top_ops.txt").read_text()
+    with pytest.raises(ValueError, match="steps"):
+        TrainingProfiler("cpu", trace_dir=tmp_path, trace_start=1, trace_steps=1000)
+
+
+def test_window_loss_is_token_weighted():
+    window = TrainingWindow()
+    window.add(loss=1.0, tokens=100, grad_norm=2.0, lr=0.1)
+    window.add(loss=3.0, tokens=300, grad_norm=4.0, lr=0.2)
+    summary = window.summary(TrainingProfiler())
+    assert summary["loss"] == pytest.approx(2.5)  # not the plain mean 2.0
+    assert summary["grad_norm"] == 3.0 and summary["grad_norm_max"] == 4.0
+    assert summary["lr"] == 0.2 and summary["updates_in_window"] == 2
+    assert summary["mfu"] is None  # CPU: not in the peak table, never guessed
+
+
+def test_diagnostics_are_logged_and_do_not_change_training(data_dir):
+    config = train_config(max_steps=4, log_interval=2)
+    runs = {}
+    for diagnostics in (True, False):
+        model, opt, tl, vl = build(config, data_dir)
+        log = MetricsLog(None)
+        train(model, opt, tl, vl, config, "cpu", log=log, diagnostics=diagnostics)
+        runs[diagnostics] = (model, [e for e in log.events if e["event"] == "train"])
+    on, off = runs[True][1], runs[False][1]
+    assert "moe_load_cv/layers.1.mlp" in on[0] and "qk_max_logit/layers.0.attn" in on[0]
+    assert on[0]["model_flops_per_token"] > 0 and "max_rss_bytes" in on[0]
+    assert not any(k.startswith(("moe_", "qk_")) for k in off[0])
+    for a, b in zip(runs[True][0].parameters(), runs[False][0].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_tiny_preset_cli_logs_moe_and_qk_fields_and_writes_a_report(data_dir, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), "--data", str(data_dir), "--max-steps", "2",
+                 "--log-interval", "1", "--eval-batches", "1", "--report"]) == 0
+    train_event = next(e for e in read_events(run / "metrics.jsonl") if e["event"] == "train")
+    for layer in (1, 2, 3):
+        assert math.isfinite(train_event[f"moe_load_cv/layers.{layer}.mlp"])
+    for layer in range(4):
+        assert math.isfinite(train_event[f"qk_max_logit/layers.{layer}.attn"])
+    index = (run / "report" / "index.html").read_text()
+    pngs = sorted((run / "report").glob("*.png"))
+    assert len(pngs) == 6
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+        assert f'src="{png.name}"' in index
+    assert main(["report", "--run-dir", str(tmp_path / "missing")]) == 2
+
+
+def test_tensorboard_sink_or_a_clear_error(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["train", "--run-dir", str(run), "--data", str(data_dir), "--max-steps", "1",
+                 "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+                 "--tensorboard"])
+    if importlib.util.find_spec("tensorboard") is None:
+        assert code == 2 and "pip install 'k3-trainer[tensorboard]'" in capsys.readouterr().err
+        assert not run.exists()
+    else:
+        assert code == 0 and list((run / "tensorboard").glob("events.out.tfevents.*"))
