@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import json
 import os
 import statistics
 import tempfile
@@ -214,6 +215,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
     )
+    parser.add_argument("--json", type=Path, help="also write the table rows to this file")
     args = parser.parse_args()
     if args.threads:  # 1 steadies a shared machine: OpenMP copies stall when a core is taken
         torch.set_num_threads(args.threads)
@@ -231,6 +233,8 @@ def main() -> None:
         header = ("state", "file", "operation", "baseline", "base ms", "k3 ms", "ratio",
                   "spread", "target")  # fmt: skip
         print_table(header, rows)
+        if args.json:
+            args.json.write_text(json.dumps([dict(zip(header, row)) for row in rows], indent=2))
         print()
         largest = directory / f"{sizes[-1][0]}.k3"
         print(f"digest candidates over {largest.stat().st_size / 2**20:.1f} MiB (in memory):")

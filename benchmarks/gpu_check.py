@@ -212,6 +212,53 @@ def bf16_training(device: torch.device, small: bool) -> dict[str, Any]:
     return result
 
 
+def preset_training(device: torch.device, small: bool) -> dict[str, Any]:
+    """bf16-autocast steps of k3-model's ``small`` preset (``tiny`` for the CPU smoke run),
+    with QK-Clip observing and applying and the MoE balancer active, as the trainer runs it."""
+    from k3_model import K3Model, flops_per_token, preset
+    from k3_qkclip import QKClip, QKClipPolicy
+
+    name, batch, seq = ("tiny", 2, 32) if small else ("small", 16, 1024)
+    torch.manual_seed(0)
+    model = K3Model(preset(name)).to(device)
+    opt = MuonAdamW(build_parameter_groups(model, per_head=model.muon_per_head()), lr=3e-3)
+    vocab = model.config.vocab_size
+    x = torch.randint(0, vocab, (batch, seq + 1), device=device)
+    losses: list[torch.Tensor] = []
+    opt_time: list[float] = []
+    with QKClip(model, QKClipPolicy(tau=100.0)) as qk:
+
+        def step() -> None:
+            qk.reset()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                _, loss = model(x[:, :-1], targets=x[:, 1:])
+            loss.backward()
+            losses.append(loss.detach())
+            qk.validate()
+            opt_time.append(cuda_time(opt.step, 1, warmup=0))
+            qk.apply()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        opt_time.clear()
+        t_step = cuda_time(step, 5, warmup=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "masters must stay fp32"
+    values = [float(v) for v in losses]
+    tokens = batch * seq
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
+    flops = flops_per_token(model.config, seq) * tokens
+    mfu = flops / t_step / (peak * 1e12) if peak else None
+    share = sorted(opt_time)[len(opt_time) // 2] / t_step
+    print(f"k3-model {name} preset, bf16 autocast + QK-Clip + MoE ({batch}x{seq}): "
+          f"{t_step * 1e3:.1f} ms/step, {tokens / t_step:,.0f} tok/s, optimizer {share:.1%}, "
+          f"MFU {'unknown device' if mfu is None else f'{mfu:.1%}'}, "
+          f"loss {values[0]:.3f} -> {values[-1]:.3f}, finite {all(map(math.isfinite, values))}")
+    return {"preset": name, "step_s": t_step, "tokens_per_s": tokens / t_step, "mfu": mfu,
+            "optimizer_share": share, "losses": values}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the results to this JSON file")
@@ -225,7 +272,8 @@ def main() -> None:
     results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
     failures = 0
     for name, fn in (("ns_correctness", check_ns), ("ns_throughput", ns_throughput),
-                     ("optimizer_step", optimizer_step), ("bf16_training", bf16_training)):
+                     ("optimizer_step", optimizer_step), ("bf16_training", bf16_training),
+                     ("preset_training", preset_training)):
         try:
             results[name] = fn(device, not cuda)
         except Exception:  # report every section, then fail at the end

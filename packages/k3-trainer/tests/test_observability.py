@@ -103,3 +103,12 @@ def test_tensorboard_sink_or_a_clear_error(data_dir, tmp_path, capsys):
         assert not run.exists()
     else:
         assert code == 0 and list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_metrics_log_recovers_from_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"event": "train", "step": 1}\n{"event": "tra')  # cut by a crash
+    with MetricsLog(path) as log:
+        log.write("session_start", step=1)
+    events = read_events(path)
+    assert [e["event"] for e in events] == ["train", "session_start"]

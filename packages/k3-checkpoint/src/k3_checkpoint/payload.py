@@ -78,11 +78,30 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
-        raise
+        cause = _os_error_behind(error)
+        if cause is None:
+            raise
+        # torch's zip writer turns a failed write (disk full, quota, file size limit) into
+        # a RuntimeError about stream positions; the caller needs the OSError behind it.
+        raise OSError(cause.errno, cause.strerror or str(cause), str(temporary)) from error
     _fsync_directory(path.parent)
     return digest.hex()
+
+
+def _os_error_behind(error: BaseException) -> OSError | None:
+    """The OSError that caused ``error`` when ``error`` is not one itself, else None."""
+    if isinstance(error, OSError) or not isinstance(error, Exception):
+        return None
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError):
+            return link
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def read_payload(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -2,7 +2,12 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .checkpointing import TRAINER_POLICY, load_checkpoint, save_checkpoint
+from .checkpointing import (
+    TRAINER_POLICY,
+    CheckpointWriteError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import ConfigError, TrainConfig, TrainState
 from .data import DataError, DataExhausted, TokenDataLoader, read_manifest
 from .diagnostics import MoEDiagnostics
@@ -23,6 +28,7 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = [
     "TRAINER_POLICY",
+    "CheckpointWriteError",
     "ConfigError",
     "DataError",
     "DataExhausted",

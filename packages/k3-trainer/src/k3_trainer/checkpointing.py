@@ -26,6 +26,23 @@ TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
 )
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, read-only or vanished run directory).
+
+    The write is atomic, so the file at the path is still the previous checkpoint, if there
+    was one. An ``OSError`` with the original ``errno``; ``str()`` is one line.
+    """
+
+    def __init__(self, path: str | Path, error: OSError) -> None:
+        previous = ("the previous checkpoint there is unchanged" if Path(path).is_file()
+                    else "no checkpoint was written")
+        reason = error.strerror or str(error)
+        super().__init__(error.errno, f"cannot write checkpoint {path}: {reason}; {previous}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def qk_clip_policy(config: TrainConfig) -> QKClipPolicy:
     return QKClipPolicy(enabled=config.qk_clip_enabled, tau=config.qk_clip_tau,
                         gqa=config.qk_clip_gqa)  # type: ignore[arg-type]
@@ -53,23 +70,30 @@ def _qk_clip_record(model: nn.Module, config: TrainConfig
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainState, config: TrainConfig, train_loader: TokenDataLoader,
                     val_loader: TokenDataLoader) -> str:
-    """Write the complete update boundary atomically; returns the payload digest."""
+    """Write the complete update boundary atomically; returns the payload digest.
+
+    A failed write raises :class:`CheckpointWriteError` (an ``OSError``) and leaves the
+    previous checkpoint at ``path`` as it was.
+    """
     policy, geometry = _qk_clip_record(model, config)
     counters = state.counters()
     scaler = counters.pop("grad_scaler_state")
-    return k3_checkpoint.save_checkpoint(
-        path,
-        model=model,
-        optimizer=optimizer,
-        loaders={"train": train_loader, "val": val_loader},
-        counters=counters,
-        train_config=config.to_dict(),
-        model_config=model_config(model),
-        vocab_size=model_vocab_size(model),
-        qk_clip_policy=policy,
-        qk_clip_geometry=geometry,
-        grad_scaler=scaler,
-    )
+    try:
+        return k3_checkpoint.save_checkpoint(
+            path,
+            model=model,
+            optimizer=optimizer,
+            loaders={"train": train_loader, "val": val_loader},
+            counters=counters,
+            train_config=config.to_dict(),
+            model_config=model_config(model),
+            vocab_size=model_vocab_size(model),
+            qk_clip_policy=policy,
+            qk_clip_geometry=geometry,
+            grad_scaler=scaler,
+        )
+    except OSError as error:
+        raise CheckpointWriteError(path, error) from error
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -2,7 +2,9 @@
 
 User errors (bad flag or config value, missing data, an incompatible or corrupt
 checkpoint, a run directory that already holds a run) print one line and exit with
-status 2, without a traceback.
+status 2, without a traceback. A run that fails while it trains (a non-finite loss, a
+checkpoint that cannot be written, any other I/O error) prints one line and exits with
+status 1; the last checkpoint written stays valid.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -48,8 +50,25 @@ def _field_type(field: dataclasses.Field[Any]) -> Any:
     return str
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (the full usage of ``train`` lists every config field)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="k3-train", description="One-device pretraining of K3-style models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -83,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="validation loss of a run's latest checkpoint")
     evaluate.add_argument("--run-dir", required=True, type=Path)
     evaluate.add_argument("--data", type=Path)
-    evaluate.add_argument("--batches", type=int, help="validation batches (default: config)")
+    evaluate.add_argument("--batches", type=_positive_int,
+                          help="validation batches (default: config)")
     evaluate.add_argument("--device", default="auto")
 
     inspect = sub.add_parser("inspect", help="summarize a checkpoint without loading it")
@@ -107,6 +127,13 @@ def _read_toml(path: Path | None) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
                           "expected preset, [train], [model]")
+    if not isinstance(data.get("preset", ""), str):
+        raise ConfigError(f"config file {path}: preset must be a string, got "
+                          f"{data['preset']!r}")
+    for table in ("train", "model"):
+        if not isinstance(data.get(table, {}), dict):
+            raise ConfigError(f"config file {path}: {table} must be a table ([{table}]), got "
+                              f"{data[table]!r}")
     return data
 
 
@@ -117,6 +144,8 @@ def _device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"--device: unknown device {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: k3-train trains on cpu or cuda only")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
     return device
@@ -146,10 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as exc:
         print(f"k3-train: training diverged: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # disk full, read-only run directory, ...: the environment
+        print(f"k3-train: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("k3-train: interrupted; continue from the last checkpoint with --resume",
               file=sys.stderr)
         return 130
+
+
+def _one_line(exc: OSError) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -74,7 +74,24 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             isinstance(s, dict) and {"file", "tokens", "sha256"} <= set(s) for s in shards
         ):
             raise DataError(f"{path}: split {split!r} must list shards with file, tokens, sha256")
+        for shard in shards:
+            _check_shard_entry(path, split, shard)
     return manifest
+
+
+def _check_shard_entry(path: Path, split: str, shard: dict[str, Any]) -> None:
+    """A shard is a plain file name inside the dataset folder, a token count and a digest."""
+    name, tokens, digest = shard["file"], shard["tokens"], shard["sha256"]
+    if not (isinstance(name, str) and name and name not in (".", "..")
+            and "/" not in name and "\\" not in name):
+        raise DataError(f"{path}: split {split!r} names shard file {name!r}; a shard must be a "
+                        "file name inside the dataset folder")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise DataError(f"{path}: shard {name} has token count {tokens!r}; expected an "
+                        "integer >= 0")
+    if not (isinstance(digest, str) and len(digest) == 64
+            and all(c in "0123456789abcdef" for c in digest)):
+        raise DataError(f"{path}: shard {name} has sha256 {digest!r}; expected 64 hex digits")
 
 
 class TokenDataLoader:

@@ -23,7 +23,11 @@ class MetricsLog:
         self._file = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            torn = self.path.exists() and self.path.stat().st_size > 0 and \
+                self.path.read_bytes()[-1:] != b"\n"
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            if torn:  # a crash cut the last line short: keep the next event on its own line
+                self._file.write("\n")
         self.events: list[dict[str, Any]] = []
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:

@@ -88,6 +88,23 @@ def _has_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in (CHECKPOINT, METRICS, "run.json"))
 
 
+def _read_record(run_dir: Path) -> dict[str, Any]:
+    """``run.json``, checked to hold what a resume or an evaluation reads from it."""
+    try:
+        record = read_run_record(run_dir)
+    except FileNotFoundError as exc:
+        raise RunError(str(exc)) from None
+    except ValueError as exc:  # unreadable JSON or not a run record
+        raise RunError(f"{exc}; the run directory is damaged") from None
+    data = record.get("data")
+    if not (isinstance(record.get("train_config"), dict)
+            and isinstance(record.get("model_config"), dict)
+            and isinstance(data, dict) and isinstance(data.get("dir"), str)):
+        raise RunError(f"{run_dir / 'run.json'} lacks train_config, model_config or data.dir; "
+                       "the run directory is damaged")
+    return record
+
+
 def run_prepare(inputs: list[str], out: Path, val_fraction: float) -> int:
     manifest = prepare_dataset(inputs, out, val_fraction=val_fraction)
     counts = {k: sum(s["tokens"] for s in v) for k, v in manifest["splits"].items()}
@@ -123,15 +140,26 @@ def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume:
               report: bool = False, tensorboard: bool = False, profile_start: int | None = None,
               profile_steps: int = 3) -> int:
     preset = preset or toml.get("preset")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--run-dir {run_dir} is a file, not a directory")
     if resume:
         if not (run_dir / CHECKPOINT).is_file():
-            raise RunError(f"--resume: {run_dir / CHECKPOINT} not found")
-        record = read_run_record(run_dir)
+            if _has_run(run_dir):
+                raise RunError(f"--resume: {run_dir} has no checkpoint yet (the run stopped "
+                               "before its first checkpoint), so there is nothing to resume; "
+                               "remove the directory and start the run again")
+            raise RunError(f"--resume: no checkpoint to resume, {run_dir / CHECKPOINT} "
+                           "not found")
+        record = _read_record(run_dir)
         config = _train_config(record["train_config"], toml, overrides)
         model_config = _model_config(preset, toml.get("model", {}), record["model_config"])
         data_dir = data or Path(record["data"]["dir"])
     else:
         if _has_run(run_dir):
+            if not (run_dir / CHECKPOINT).is_file():
+                raise RunError(f"{run_dir} already holds a run that stopped before its first "
+                               "checkpoint (nothing to resume); remove it or choose another "
+                               "--run-dir")
             raise RunError(f"{run_dir} already holds a run; pass --resume to continue it or "
                            "choose another --run-dir")
         config = _train_config({}, toml, overrides)
@@ -190,9 +218,9 @@ def _require_matplotlib() -> None:
 
 def run_eval(run_dir: Path, data: Path | None, batches: int | None,
              device: torch.device) -> int:
-    record = read_run_record(run_dir)
-    config = TrainConfig.from_dict(record["train_config"])
-    session = _Session(config, K3Config.from_dict(record["model_config"]),
+    record = _read_record(run_dir)
+    config = _train_config(record["train_config"], {}, {})
+    session = _Session(config, _model_config(None, {}, record["model_config"]),
                        data or Path(record["data"]["dir"]), device)
     state = load_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer, config,
                             session.train_loader, session.val_loader)

@@ -10,7 +10,6 @@ does not know (never guessed).
 from __future__ import annotations
 
 import math
-import resource
 import sys
 from typing import Any
 
@@ -116,6 +115,10 @@ class TrainingWindow:
         if self.device.type == "cuda":
             return {"peak_memory_bytes": torch.cuda.max_memory_allocated(self.device)}
         # CPU: the process's peak resident set (the OS keeps no per-window peak).
+        try:
+            import resource
+        except ImportError:  # Windows
+            return {}
         scale = 1 if sys.platform == "darwin" else 1024
         return {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale}
 

@@ -1,0 +1,149 @@
+"""``k3-train`` in a real process, with test-only fault injection around the same ``main``.
+
+Usage: ``python cli_driver.py ARGS...`` (the arguments of ``k3-train``). Without any of the
+variables below it behaves exactly like ``python -m k3_trainer.cli ARGS...``.
+
+- ``K3_TEST_OPEN_LOG=FILE``: append ``pid<TAB>mode<TAB>flags<TAB>path`` to FILE for every
+  open of a checkpoint file (a Python audit hook), so a test can prove what was read.
+- ``K3_TEST_KILL=POINT:N``: SIGKILL this process inside its N-th checkpoint write:
+  ``mid-payload`` (half of the payload bytes written and fsynced), ``before-rename`` (the
+  ``.tmp`` complete and fsynced, not yet renamed) or ``after-rename`` (published, directory
+  not yet fsynced).
+- ``K3_TEST_READONLY=DIR``: every write inside DIR fails with EACCES, as in a read-only
+  directory (an audit hook, so it holds for root too, which ignores permission bits).
+- ``K3_TEST_FSIZE=BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE), like a disk that
+  fills up during a write.
+- ``K3_TEST_THREADS=N``: ``torch.set_num_threads(N)`` first (unlike ``OMP_NUM_THREADS``,
+  which torch caps at the number of cores, any N sticks).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import signal
+import sys
+
+
+def _log_checkpoint_opens(log_path: str) -> None:
+    descriptor = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    pid = os.getpid()
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = os.fsdecode(args[0])
+            if "checkpoint.pt" in path:
+                os.write(descriptor, f"{pid}\t{args[1]}\t{args[2]}\t{path}\n".encode())
+
+    sys.addaudithook(hook)
+
+
+def _kill_inside_checkpoint_write(spec: str) -> None:
+    point, _, count = spec.partition(":")
+    target = int(count or 1)
+    seen = 0
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "mid-payload":
+        import torch
+
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal seen
+            if str(getattr(f, "name", "")).endswith(".tmp"):
+                seen += 1
+                if seen == target:
+                    buffer = io.BytesIO()
+                    real_save(obj, buffer, *args, **kwargs)
+                    data = buffer.getvalue()
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                    die()
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+        return
+    if point not in ("before-rename", "after-rename"):
+        raise SystemExit(f"cli_driver: unknown kill point {point!r}")
+    real_replace = os.replace
+
+    def replace(source, destination, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal seen
+        if os.fspath(source).endswith("checkpoint.pt.tmp"):
+            seen += 1
+            if seen == target and point == "before-rename":
+                die()
+            real_replace(source, destination, *args, **kwargs)
+            if seen == target:
+                die()
+            return None
+        return real_replace(source, destination, *args, **kwargs)
+
+    os.replace = replace
+
+
+def _read_only(directory: str) -> None:
+    root = os.path.realpath(directory)
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def inside(path: object) -> bool:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return False
+        real = os.path.realpath(os.fsdecode(path))
+        return real == root or real.startswith(root + os.sep)
+
+    def refuse(path: object) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args[0], args[1], args[2]
+            wants_write = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & writing)
+            if wants_write and inside(path):
+                refuse(path)
+        elif event == "os.rename":
+            if inside(args[0]) or inside(args[1]):
+                refuse(args[1])
+        elif event == "os.mkdir":
+            if inside(args[0]) and not os.path.exists(os.fsdecode(args[0])):
+                refuse(args[0])
+        elif event in ("os.remove", "os.rmdir", "os.truncate", "os.chmod", "os.utime",
+                       "os.symlink", "os.link") and inside(args[0]):
+            refuse(args[0])
+
+    sys.addaudithook(hook)
+
+
+def _file_size_limit(limit: int) -> None:
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failing write(), not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def main() -> int:
+    if os.environ.get("K3_TEST_OPEN_LOG"):
+        _log_checkpoint_opens(os.environ["K3_TEST_OPEN_LOG"])
+    if os.environ.get("K3_TEST_KILL"):
+        _kill_inside_checkpoint_write(os.environ["K3_TEST_KILL"])
+    if os.environ.get("K3_TEST_READONLY"):
+        _read_only(os.environ["K3_TEST_READONLY"])
+    if os.environ.get("K3_TEST_FSIZE"):
+        _file_size_limit(int(os.environ["K3_TEST_FSIZE"]))
+    if os.environ.get("K3_TEST_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["K3_TEST_THREADS"]))
+    from k3_trainer.cli import main as k3_train
+
+    return k3_train(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

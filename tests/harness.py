@@ -1,0 +1,287 @@
+"""Shared pieces of the reliability tests: a small model, the CLI in a new process, bitwise
+comparison of checkpoints, a checkpoint forger, fingerprints and fault injectors.
+
+Everything here is test code; nothing in it is imported by the packages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from k3_checkpoint import capture_rng
+from k3_model import K3Model
+from k3_model import preset as model_preset
+from k3_trainer import TokenDataLoader, TrainConfig, build_optimizer
+
+TESTS = Path(__file__).resolve().parent
+DRIVER = TESTS / "cli_driver.py"
+
+# The tiny preset shrunk to a couple of milliseconds per step: MLA attention observed by
+# QK-Clip, one dense layer and one quantile-balanced MoE layer.
+SMALL_OVERRIDES: dict[str, Any] = dict(
+    d_model=32, n_layers=2, n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=8, n_experts=4, moe_d_ff=32, d_ff=64,
+)
+SMALL_MODEL = model_preset("tiny", **SMALL_OVERRIDES)
+SMALL_TRAIN: dict[str, Any] = dict(batch_size=4, seq_len=16, log_interval=1, eval_interval=3,
+                                   eval_batches=2, peak_lr=3e-3)
+
+
+def toml_text(*, model: Mapping[str, Any] | None = SMALL_OVERRIDES,
+              train: Mapping[str, Any] | None = None, preset: str = "tiny") -> str:
+    """A ``k3-train --config`` file: the preset, ``[model]`` overrides and ``[train]`` fields."""
+    lines = [f'preset = "{preset}"']
+    for table, values in (("model", model), ("train", {**SMALL_TRAIN, **(train or {})})):
+        if values:
+            lines.append(f"[{table}]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+# -- the command line in a new process --------------------------------------------------
+
+
+def k3_train(*args: Any, env: Mapping[str, str] | None = None, driver: bool = False,
+             timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python -m k3_trainer.cli ARGS`` in a fresh interpreter (``driver``: through
+    ``cli_driver.py``, which adds test-only fault injection around the same ``main``)."""
+    command = [sys.executable, str(DRIVER)] if driver else [sys.executable, "-m",
+                                                           "k3_trainer.cli"]
+    return subprocess.run([*command, *map(str, args)], capture_output=True, text=True,
+                          env=subprocess_env(env), timeout=timeout)
+
+
+def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment and torch thread count (so a checkpoint written here and
+    one written there share the runtime signature), with the built-in-corpus cache pointed
+    away from the home directory."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    env.setdefault("K3_TRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / "k3-cache"))
+    env.update(extra or {})
+    return env
+
+
+def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], match: str,
+                          code: int | None = None) -> str:
+    """Non-zero exit, exactly one stderr line starting with ``k3-train:``, no traceback."""
+    lines = error_lines(result)
+    assert result.returncode != 0, result.stdout + result.stderr
+    if code is not None:
+        assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("k3-train:"), result.stderr
+    assert match in lines[0], (match, lines[0])
+    return lines[0]
+
+
+# -- bitwise comparison ------------------------------------------------------------------
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "payload") -> None:
+    """``a`` and ``b`` hold the same structure, the same types and the same bits
+    (tensors by their bytes, floats by their hex form, so -0.0 and NaN payloads count)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (where, a.dtype, a.shape, b.dtype,
+                                                          b.shape)
+        assert torch.equal(_bits(a), _bits(b)), f"{where}: tensors differ"
+    elif isinstance(a, Mapping):
+        assert isinstance(b, Mapping), where
+        assert sorted(map(str, a)) == sorted(map(str, b)), (where, sorted(map(str, a)),
+                                                             sorted(map(str, b)))
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{index}]")
+    elif isinstance(a, float):
+        assert type(b) is float and a.hex() == b.hex(), (where, a, b)
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+# -- forging checkpoint files (the documented k3-checkpoint file format) -------------------
+
+MAGIC = b"\x89K3CKPT\n"
+_FIELDS = struct.Struct("<8sIIQ32s4x")
+_BLOCK = 4 << 20
+
+
+def k3_header(body: bytes, format_version: int = 7) -> bytes:
+    """The 64-byte header the README documents: magic, format, digest scheme 1, length,
+    sha256 over the sha256 of each 4 MiB block, four zero bytes, crc32 of the rest."""
+    blocks = [body[start:start + _BLOCK] for start in range(0, len(body), _BLOCK)]
+    digest = hashlib.sha256(b"".join(hashlib.sha256(b).digest() for b in blocks)).digest()
+    fields = _FIELDS.pack(MAGIC, format_version, 1, len(body), digest)
+    return fields + struct.pack("<I", zlib.crc32(fields))
+
+
+def forge(path: Path, payload: Any, format_version: int = 7) -> None:
+    """Write ``payload`` as a careful forger would: torch.save bytes behind a valid header."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    body = buffer.getvalue()
+    path.write_bytes(k3_header(body, format_version) + body)
+
+
+class Evil:
+    """A pickle that runs a command when unpickled (never, under weights_only=True)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+# -- library-level runs --------------------------------------------------------------------
+
+
+def train_config(**overrides: Any) -> TrainConfig:
+    return TrainConfig(**{**SMALL_TRAIN, "max_steps": 6, "checkpoint_interval": 3,
+                          **overrides})
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(config: TrainConfig, data_dir: Path, model_config=SMALL_MODEL, seed: int | None = None):
+    """Seed, then model, optimizer and both loaders, in the order the CLI builds them."""
+    seed_all(config.seed if seed is None else seed)
+    model = K3Model(model_config)
+    optimizer = build_optimizer(model, config)
+    train_loader = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len)
+    val_loader = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len)
+    return model, optimizer, train_loader, val_loader
+
+
+def digest(value: Any) -> str:
+    """sha256 over a nested structure of tensors and plain values."""
+    hasher = hashlib.sha256()
+
+    def feed(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            hasher.update(f"T{item.dtype}{list(item.shape)}".encode())
+            hasher.update(_bits(item).numpy().tobytes())
+        elif isinstance(item, Mapping):
+            for key in sorted(item, key=str):
+                hasher.update(f"K{key!r}".encode())
+                feed(item[key])
+        elif isinstance(item, (list, tuple)):
+            hasher.update(f"L{len(item)}".encode())
+            for element in item:
+                feed(element)
+        else:
+            hasher.update(f"V{item!r}".encode())
+
+    feed(value)
+    return hasher.hexdigest()
+
+
+def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, loaders) -> dict[str, str]:
+    """Hashes of what a refused load must leave alone: weights and buffers, optimizer
+    state, loader cursors, and every global RNG."""
+    return {
+        "model": digest(model.state_dict()),
+        "optimizer": digest(optimizer.state_dict()),
+        "loaders": digest([loader.state_dict() for loader in loaders]),
+        "rng": digest(capture_rng()),
+    }
+
+
+def moved(config: TrainConfig, data_dir: Path, model_config=SMALL_MODEL, data: Path | None = None):
+    """A live run that differs from any checkpoint everywhere (one real step, cursors and
+    RNG advanced), so that a partial restore would show in its fingerprint."""
+    model, optimizer, train_loader, val_loader = build(config, data or data_dir, model_config,
+                                                       seed=4242)
+    x, y = train_loader.next_batch()
+    model(x, targets=y)[1].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    val_loader.next_batch()
+    torch.rand(3)
+    np.random.rand()
+    random.random()
+    return model, optimizer, train_loader, val_loader
+
+
+class Inject(nn.Module):
+    """Wraps a model and, on chosen training forwards (1-based, counted per instance),
+    injects a fault: ``inf`` (the gradient overflows, as under FP16), ``nan_loss`` (the
+    loss is NaN), ``qk_inf``/``qk_nan`` (an attention module reports a non-finite max
+    logit through QK-Clip's public observer). ``noise``: every training forward draws from
+    Python's, NumPy's and torch's global generators and lets the draws scale the loss, so
+    a resume that restored any of them wrongly would diverge."""
+
+    def __init__(self, inner: nn.Module, calls=(), kind: str = "inf",
+                 noise: bool = False) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.calls, self.kind, self.noise, self.count = set(calls), kind, noise, 0
+
+    def forward(self, x, targets=None):
+        logits, loss = self.inner(x, targets=targets)
+        if not self.training:
+            return logits, loss
+        self.count += 1
+        if self.noise:
+            draw = torch.rand(()) + float(np.random.rand()) + random.random()
+            loss = loss * (1.0 + 1e-2 * draw)
+        if self.count in self.calls:
+            if self.kind == "nan_loss":
+                loss = loss * float("nan")
+            elif self.kind == "inf":
+                loss.register_hook(lambda g: g * float("inf"))
+            else:
+                value = math.inf if self.kind == "qk_inf" else math.nan
+                observers = [m.qk_observer for m in self.inner.modules()
+                             if getattr(m, "qk_observer", None) is not None]
+                assert observers, "QK-Clip is not observing this model"
+                observers[0].record(torch.full((observers[0].n_heads,), value))
+        return logits, loss
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path → content): "nothing changed" is equality."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}

@@ -1,0 +1,179 @@
+"""Guarantee 6: a disk that fills up or a run directory that cannot be written fails the
+save with a clear one-line error (exit status 1, no traceback) and keeps the previous
+checkpoint, which still loads and resumes.
+
+Faults are real where a test can make them real without privileges: RLIMIT_FSIZE makes the
+kernel refuse a write past a size (EFBIG, like ENOSPC mid-write), and an audit hook makes
+every write inside the run directory fail with EACCES (a read-only directory, which root
+would otherwise ignore). A patched ``torch.save`` reproduces ENOSPC exactly as torch's zip
+writer reports it: a ``RuntimeError`` about stream positions caused by the ``OSError``.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+
+import pytest
+import torch
+from harness import (
+    assert_bitwise_equal,
+    assert_one_line_error,
+    build,
+    k3_train,
+    train_config,
+    tree_bytes,
+)
+
+import k3_checkpoint
+from k3_checkpoint import read_payload
+from k3_trainer import TrainState, save_checkpoint, train
+from k3_trainer.checkpointing import CheckpointWriteError
+from k3_trainer.cli import main
+
+FLAGS = ["--checkpoint-interval", "1", "--warmup-steps", "1", "--decay-steps", "6"]
+
+
+def _disk_full_at(monkeypatch, write: int, *, like_torch: bool) -> None:
+    """The ``write``-th checkpoint payload of this process hits a full disk half-way."""
+    real_save, seen = torch.save, [0]
+
+    def save(obj, f, *args, **kwargs):
+        if not str(getattr(f, "name", "")).endswith(".tmp"):
+            return real_save(obj, f, *args, **kwargs)
+        seen[0] += 1
+        if seen[0] != write:
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[:1000])
+        full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if not like_torch:
+            raise full
+        try:
+            raise full
+        except OSError:  # what torch's inline_container does with a failed write
+            # torch chains it implicitly (no ``from``), as here
+            raise RuntimeError(  # noqa: B904
+                "[enforce fail at inline_container.cc:672] . unexpected pos 1064 vs 1000")
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def _cli(argv, capsys) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("like_torch", [False, True], ids=["oserror", "torch-runtimeerror"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(
+        like_torch, tmp_path, data_dir, small_toml, capsys, monkeypatch):
+    run, clean = tmp_path / "run", tmp_path / "clean"
+    common = ["--data", data_dir, "--config", small_toml, *FLAGS]
+    _disk_full_at(monkeypatch, 3, like_torch=like_torch)
+    code, err = _cli(["train", "--run-dir", run, *common, "--max-steps", 6], capsys)
+    assert code == 1, err
+    assert len(err) == 1 and err[0].startswith("k3-train: error: cannot write checkpoint "), err
+    assert "No space left on device" in err[0]
+    assert "the previous checkpoint there is unchanged" in err[0]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "metrics.jsonl",
+                                                      "run.json"]  # no .tmp left behind
+    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 2
+
+    monkeypatch.undo()  # space is back: the run resumes from step 2 and loses nothing
+    assert _cli(["train", "--run-dir", run, "--resume"], capsys)[0] == 0
+    assert _cli(["train", "--run-dir", clean, *common, "--max-steps", 6], capsys)[0] == 0
+    assert_bitwise_equal(read_payload(clean / "checkpoint.pt"),
+                         read_payload(run / "checkpoint.pt"))
+
+
+def test_a_failed_rename_keeps_the_previous_checkpoint(tmp_path, data_dir, small_toml, capsys,
+                                                       monkeypatch):
+    run = tmp_path / "run"
+    assert _cli(["train", "--run-dir", run, "--data", data_dir, "--config", small_toml,
+                 *FLAGS, "--max-steps", 2], capsys)[0] == 0
+    before = (run / "checkpoint.pt").read_bytes()
+    real_replace = os.replace
+
+    def replace(source, destination, *args, **kwargs):
+        if os.fspath(source).endswith("checkpoint.pt.tmp"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(destination))
+        return real_replace(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--max-steps", 4], capsys)
+    assert code == 1 and len(err) == 1, err
+    assert "cannot write checkpoint" in err[0] and "Read-only file system" in err[0]
+    assert (run / "checkpoint.pt").read_bytes() == before
+    assert not (run / "checkpoint.pt.tmp").exists()
+
+
+def test_library_save_reports_the_oserror_and_keeps_the_previous_file(tmp_path, data_dir,
+                                                                       monkeypatch):
+    config = train_config(max_steps=2, checkpoint_interval=100)
+    model, opt, tl, vl = build(config, data_dir)
+    state = train(model, opt, tl, vl, config, "cpu", checkpoint_path=tmp_path / "ck.pt")
+    before = (tmp_path / "ck.pt").read_bytes()
+    _disk_full_at(monkeypatch, 1, like_torch=True)
+    with pytest.raises(CheckpointWriteError) as failed:
+        save_checkpoint(tmp_path / "ck.pt", model, opt, state, config, tl, vl)
+    assert isinstance(failed.value, OSError) and failed.value.errno == errno.ENOSPC
+    assert "\n" not in str(failed.value) and "unchanged" in str(failed.value)
+    assert (tmp_path / "ck.pt").read_bytes() == before
+    assert os.listdir(tmp_path) == ["ck.pt"]
+
+    # k3-checkpoint itself: a write error stays an OSError, even behind torch's RuntimeError
+    monkeypatch.undo()
+    _disk_full_at(monkeypatch, 1, like_torch=True)
+    with pytest.raises(OSError) as raw:
+        k3_checkpoint.save_checkpoint(
+            tmp_path / "ck.pt", model=model, optimizer=opt, loaders={"train": tl, "val": vl},
+            counters={"step": 2, "tokens_seen": 0, "skipped_updates": 0},
+            train_config=config.to_dict(), model_config=model.config.to_dict(),
+            vocab_size=256)
+    assert raw.value.errno == errno.ENOSPC and str(raw.value.filename).endswith("ck.pt.tmp")
+    assert (tmp_path / "ck.pt").read_bytes() == before
+    assert TrainState(step=2).step == read_payload(tmp_path / "ck.pt")["counters"]["step"]
+
+
+@pytest.fixture
+def run_at_step_2(tmp_path, data_dir, small_toml):
+    run = tmp_path / "run"
+    code = main(["train", "--run-dir", str(run), "--data", str(data_dir), "--config",
+                 str(small_toml), *FLAGS, "--max-steps", "2"])
+    assert code == 0
+    return run
+
+
+def test_a_file_size_limit_fails_the_save_in_a_real_process(run_at_step_2):
+    """The kernel refuses the write past 200 kB (the checkpoint is about 460 kB)."""
+    run = run_at_step_2
+    before = (run / "checkpoint.pt").read_bytes()
+    assert len(before) > 300_000
+    resumed = k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4, driver=True,
+                       env={"K3_TEST_FSIZE": "200000"})
+    line = assert_one_line_error(resumed, "cannot write checkpoint", code=1)
+    assert "File too large" in line and "the previous checkpoint there is unchanged" in line
+    assert (run / "checkpoint.pt").read_bytes() == before
+    assert not (run / "checkpoint.pt.tmp").exists()
+    assert k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4).returncode == 0
+
+
+def test_a_read_only_run_directory_fails_in_one_line_and_changes_nothing(run_at_step_2,
+                                                                         data_dir, small_toml):
+    run = run_at_step_2
+    before = tree_bytes(run)
+    resumed = k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4, driver=True,
+                       env={"K3_TEST_READONLY": str(run)})
+    assert_one_line_error(resumed, "Permission denied", code=1)
+    assert tree_bytes(run) == before
+
+    parent = run.parent / "read-only"
+    parent.mkdir()
+    fresh = k3_train("train", "--run-dir", parent / "new", "--data", data_dir, "--config",
+                     small_toml, "--max-steps", 2, driver=True,
+                     env={"K3_TEST_READONLY": str(parent)})
+    assert_one_line_error(fresh, "Permission denied", code=1)
+    assert list(parent.iterdir()) == []
