@@ -167,3 +167,15 @@ def test_bf16_autocast_training_keeps_fp32_masters(data_dir):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(math.isfinite(e["loss"]) for e in log.events if e["event"] == "train")
     assert state.grad_scaler_state is None  # no scaler for bf16
+
+
+def test_data_with_a_larger_vocabulary_than_the_model_is_refused(data_dir):
+    from trainer_helpers import SMALL_MODEL
+
+    from k3_trainer import DataError
+
+    config = train_config(max_steps=1)
+    model, opt, tl, vl = build(config, data_dir, SMALL_MODEL.replace(vocab_size=128))
+    with pytest.raises(DataError, match=r"vocabulary \(256\) exceeds the model's vocab_size"):
+        train(model, opt, tl, vl, config, "cpu")
+    assert len(opt.state) == 0

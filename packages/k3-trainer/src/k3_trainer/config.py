@@ -7,12 +7,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3_optim import COEFFICIENT_SETS, UPDATE_SCALES
+from k3_qkclip import GQA_MODES
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine")
 NS_DTYPES = ("auto", "bf16", "fp32", "fp64")
-NS_COEFFICIENTS = ("jordan", "polar_express")
-UPDATE_SCALES = ("match_rms_adamw", "spectral", "none")
-QK_CLIP_GQA_MODES = ("query_only", "group_min")
+NS_COEFFICIENTS = tuple(COEFFICIENT_SETS)  # k3-optim's named sets
+# UPDATE_SCALES (k3-optim) and QK_CLIP_GQA_MODES (k3-qkclip) come from the packages that
+# implement them, so a mode added there is accepted here without a second list.
+QK_CLIP_GQA_MODES = GQA_MODES
 
 
 class ConfigError(ValueError):

@@ -94,6 +94,13 @@ def _check_shard_entry(path: Path, split: str, shard: dict[str, Any]) -> None:
         raise DataError(f"{path}: shard {name} has sha256 {digest!r}; expected 64 hex digits")
 
 
+def check_vocab_fits(loader: TokenDataLoader, vocab_size: int) -> None:
+    """Refuse data whose token ids can exceed the model's vocabulary."""
+    if loader.vocab_size > vocab_size:
+        raise DataError(f"the data's vocabulary ({loader.vocab_size}) exceeds the model's "
+                        f"vocab_size ({vocab_size})")
+
+
 class TokenDataLoader:
     """Causal ``(x, y)`` batches read sequentially from one split's memory-mapped shards.
 

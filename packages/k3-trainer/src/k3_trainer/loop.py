@@ -22,7 +22,7 @@ from k3_qkclip import QKClip
 
 from .checkpointing import qk_clip_policy, save_checkpoint
 from .config import TrainConfig, TrainState
-from .data import DataExhausted, TokenDataLoader
+from .data import DataExhausted, TokenDataLoader, check_vocab_fits
 from .diagnostics import MoEDiagnostics
 from .evaluate import evaluate
 from .metrics import MetricsLog
@@ -68,9 +68,7 @@ def train(
     if grad_scaler is None:
         validate_precision(config.precision, device)
     validate_master_weights(model, config.precision)
-    if train_loader.vocab_size > _vocab_size(model):
-        raise ValueError(f"the data's vocabulary ({train_loader.vocab_size}) is larger than the "
-                         f"model's vocab_size ({_vocab_size(model)})")
+    check_vocab_fits(train_loader, _vocab_size(model))
 
     model.train()
     optimizer.zero_grad(set_to_none=True)

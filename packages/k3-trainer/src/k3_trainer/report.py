@@ -30,15 +30,21 @@ def _prefixed(rows: list[dict[str, Any]], prefix: str) -> list[str]:
     return sorted({k for row in rows for k in row if k.startswith(prefix)})
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Render the plots into ``run_dir/report/`` and return the path of ``index.html``."""
+def require_matplotlib() -> None:
+    """Raise ``ConfigError`` now if matplotlib (the ``report`` extra) is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ConfigError("the report needs matplotlib: pip install 'k3-trainer[report]'") from None
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Render the plots into ``run_dir/report/`` and return the path of ``index.html``."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():

@@ -22,7 +22,7 @@ from k3_model import preset as model_preset
 
 from .checkpointing import load_checkpoint
 from .config import ConfigError, TrainConfig, TrainState
-from .data import TokenDataLoader
+from .data import TokenDataLoader, check_vocab_fits
 from .evaluate import evaluate
 from .loop import train
 from .metrics import MetricsLog
@@ -30,7 +30,7 @@ from .optim import build_optimizer
 from .precision import validate_precision
 from .prepare import prepare_dataset
 from .profiling import TrainingProfiler
-from .report import write_report
+from .report import require_matplotlib, write_report
 from .run import read_run_record, write_run_record
 from .sinks import TensorBoardSink
 
@@ -124,9 +124,7 @@ class _Session:
                  device: torch.device) -> None:
         self.train_loader = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len)
         self.val_loader = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len)
-        if self.train_loader.vocab_size > model_config.vocab_size:
-            raise ConfigError(f"the data's vocabulary ({self.train_loader.vocab_size}) exceeds "
-                              f"the model's vocab_size ({model_config.vocab_size})")
+        check_vocab_fits(self.train_loader, model_config.vocab_size)
         if config.seq_len > model_config.max_seq_len:
             raise ConfigError(f"seq_len {config.seq_len} exceeds the model's max_seq_len "
                               f"{model_config.max_seq_len}")
@@ -172,7 +170,7 @@ def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if report:
-        _require_matplotlib()
+        require_matplotlib()
     if tensorboard:
         TensorBoardSink.require()
     session = _Session(config, model_config, data_dir, device)
@@ -207,13 +205,6 @@ def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume:
 def run_report(run_dir: Path) -> int:
     print(f"k3-train: report in {write_report(run_dir)}")
     return 0
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError("--report needs matplotlib: pip install 'k3-trainer[report]'") from None
 
 
 def run_eval(run_dir: Path, data: Path | None, batches: int | None,
