@@ -1,17 +1,66 @@
-"""k3-optim benchmarks: MuonAdamW vs torch Muon + AdamW, NS per dtype/set, batching.
+"""k3-optim benchmarks: MuonAdamW vs torch Muon + AdamW, NS per dtype/set, batching,
+foreach vs per-tensor elementwise work, distributed Muon vs every rank doing all NS.
 
 Run: ``hatch run bench:optim`` (add ``--quick`` for a smoke run, ``--json PATH`` to save).
-Every table compares candidates timed interleaved in this one process.
+Every table compares candidates timed interleaved in one process (the distributed table:
+in each of 2 gloo ranks, reported by rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
+import json
+import statistics
+import tempfile
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from common import interleaved, print_table, write_json
-from k3_optim import MuonAdamW, newton_schulz
+from k3_optim import MuonAdamW, matrix_view_shape, newton_schulz
+from k3_optim.muon import muon_update
+
+# The `small` model preset's optimizer groups (k3_model.preset("small"), 54 M params):
+# (shape, count) per group, as K3Model.parameter_groups() routes them.
+SMALL_GROUPS: dict[str, tuple[bool, int | None, list[tuple[tuple[int, ...], int]]]] = {
+    "muon": (True, None, [
+        ((64, 384), 6), ((384, 64), 6), ((6, 384), 6), ((384, 384), 16), ((1024, 384), 2),
+        ((384, 1024), 1), ((16, 384), 7), ((192, 384), 7), ((16, 256, 192), 14),
+        ((16, 192, 256), 7), ((384, 192), 7), ((256, 384), 14), ((384, 256), 7),
+        ((128, 384), 2)]),
+    "muon_heads6": (True, 6, [((384, 384), 20), ((576, 96), 2)]),
+    "adamw": (False, None, [((32768, 384), 2), ((384, 1, 4), 18)]),
+    "adamw_no_decay": (False, None, [((384,), 55), ((6,), 6), ((64,), 6), ((192,), 7),
+                                     ((96,), 2)]),
+}
+
+
+def small_like_groups(quick: bool, seed: int = 0) -> list[dict[str, object]]:
+    """Param groups shaped like the `small` preset's (``quick``: a quarter of the tensors
+    and a 4096-token vocabulary), each parameter with a fixed random gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for name, (use_muon, heads, shapes) in SMALL_GROUPS.items():
+        params = []
+        for shape, count in shapes:
+            if quick:
+                count = max(1, count // 4)
+                shape = (4096, *shape[1:]) if shape[0] == 32768 else shape
+            for _ in range(count):
+                p = torch.randn(*shape, generator=gen).mul_(0.02).requires_grad_()
+                p.grad = torch.randn(*shape, generator=gen)
+                params.append(p)
+        group: dict[str, object] = {"params": params, "use_muon": use_muon, "name": name}
+        if heads:
+            group["num_heads"] = heads
+        if name == "adamw_no_decay":
+            group["weight_decay"] = 0.0
+        groups.append(group)
+    return groups
 
 
 def gpt_like_params(d: int, layers: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -145,15 +194,110 @@ def bench_batching(args: argparse.Namespace) -> dict[str, object]:
     return {"looped_s": loop.median, "batched_s": batch.median}
 
 
+def bench_foreach(args: argparse.Namespace) -> dict[str, object]:
+    """Muon's elementwise work as torch._foreach_* calls vs one tensor at a time."""
+    optimizers = {}
+    for name, foreach in [("per-tensor", False), ("foreach", True)]:
+        opt = MuonAdamW(small_like_groups(args.quick), lr=0.02, foreach=True)
+        opt._foreach = foreach  # the private switch: same arithmetic, one tensor at a time
+        optimizers[name] = opt
+
+    # The Muon half with Newton–Schulz replaced by the identity: only elementwise work.
+    work = []
+    for group in small_like_groups(args.quick, seed=1):
+        if group["use_muon"]:
+            params = [p.detach() for p in group["params"]]  # type: ignore[attr-defined]
+            work.append((params, [p.grad for p in group["params"]],  # type: ignore[attr-defined]
+                         [torch.zeros_like(p) for p in params],
+                         [matrix_view_shape(p.shape, num_heads=group.get("num_heads"))
+                          for p in params]))
+
+    def elementwise(foreach: bool) -> None:
+        for params, grads, bufs, views in work:
+            muon_update(params, grads, bufs, views, lr=1e-6, weight_decay=0.1, momentum=0.95,
+                        nesterov=True, update_scale="match_rms_adamw", orthogonalize=list,
+                        foreach=foreach)
+
+    repeats = 2 if args.quick else 5
+    step = interleaved({n: o.step for n, o in optimizers.items()}, repeats=repeats)
+    alone = interleaved({"per-tensor": functools.partial(elementwise, False),
+                         "foreach": functools.partial(elementwise, True)},
+                        repeats=3 if args.quick else 30)
+    rows, results = [], {}
+    for what, timings in [("optimizer step (Muon + AdamW)", step),
+                          ("Muon elementwise work only (NS = identity)", alone)]:
+        base = timings["per-tensor"]
+        for t in timings.values():
+            # On a busy machine the fastest round is the steadier ratio; both are shown.
+            rows.append([what, t.name, f"{t.median * 1e3:.1f}", t.spread(),
+                         f"{t.median / base.median:.3f}",
+                         f"{min(t.seconds) / min(base.seconds):.3f}"])
+        results[what] = {t.name: {"median_s": t.median, "min_s": min(t.seconds)}
+                         for t in timings.values()}
+    n_muon = sum(len(g["params"]) for g in optimizers["foreach"].param_groups if g["use_muon"])
+    print_table(f"Muon elementwise work: foreach vs per-tensor, `small`-like parameter set "
+                f"({n_muon} Muon tensors{', quick' if args.quick else ''})",
+                ["measured", "variant", "median ms", "min–max ms", "× per-tensor (median)",
+                 "× (min)"], rows)
+    return results
+
+
+def _distributed_worker(rank: int, world: int, init_file: str, out: str, quick: bool) -> None:
+    """One rank: DDP-style replicated parameters, distributed Muon vs every rank's own NS."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        optimizers = {
+            "every rank runs all NS (distributed=False)": MuonAdamW(
+                small_like_groups(quick), lr=0.02, distributed=False),
+            "distributed Muon (each matrix on one rank)": MuonAdamW(
+                small_like_groups(quick), lr=0.02, distributed=True),
+        }
+
+        def step(opt: MuonAdamW) -> None:
+            opt.step()
+            dist.barrier()  # a step ends when the slowest rank is done
+
+        timings = interleaved({n: functools.partial(step, o) for n, o in optimizers.items()},
+                              repeats=2 if quick else 5)
+        if rank == 0:
+            Path(out).write_text(json.dumps({n: t.seconds for n, t in timings.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_distributed(args: argparse.Namespace) -> dict[str, object]:
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "timings.json"
+        mp.spawn(_distributed_worker, args=(world, str(Path(tmp) / "init"), str(out), args.quick),
+                 nprocs=world)
+        seconds = json.loads(out.read_text())
+    medians = {n: statistics.median(s) for n, s in seconds.items()}
+    base = next(iter(medians.values()))
+    fastest = {n: min(s) for n, s in seconds.items()}
+    rows = [[n, f"{m * 1e3:.1f}", f"{fastest[n] * 1e3:.1f}–{max(seconds[n]) * 1e3:.1f}",
+             f"{m / base:.3f}", f"{fastest[n] / next(iter(fastest.values())):.3f}"]
+            for n, m in medians.items()]
+    print_table(f"Optimizer step on {world} CPU ranks (gloo, 1 thread each), DDP-style "
+                f"replicated `small`-like parameters{' (quick)' if args.quick else ''}",
+                ["candidate", "median ms", "min–max ms", "× every rank (median)", "× (min)"],
+                rows)
+    return {"world": world, "median_s": medians, "min_s": fastest}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
     parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument("--only", choices=["step", "accuracy", "throughput", "batching"])
+    parser.add_argument("--only", choices=["step", "accuracy", "throughput", "batching",
+                                           "foreach", "distributed"])
     args = parser.parse_args()
     torch.manual_seed(0)
     benches = {"step": bench_step, "accuracy": bench_ns_accuracy,
-               "throughput": bench_throughput, "batching": bench_batching}
+               "throughput": bench_throughput, "batching": bench_batching,
+               "foreach": bench_foreach, "distributed": bench_distributed}
     results = {name: fn(args) for name, fn in benches.items() if args.only in (None, name)}
     write_json(args.json, results)
 

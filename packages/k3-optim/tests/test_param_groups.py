@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
 
-from k3_optim import MuonAdamW, build_parameter_groups
+from k3_optim import MuonAdamW, build_parameter_groups, check_parameter_groups
 
 
 class Block(nn.Module):
@@ -106,3 +108,41 @@ def test_group_param_names_survive_in_the_optimizer_state_dict():
     assert [n for g in saved for n in g["param_names"]] == [
         n for g in opt.param_groups for n in g["param_names"]
     ]
+
+
+def test_a_hidden_linear_shaped_like_the_embedding_table_stays_with_muon():
+    # d_ff == vocab: the up-projection is (vocab, d) like the table, but it is not last.
+    model = TinyLM(vocab=32, d=16, tied=False)
+    model.blocks[0].up = nn.Linear(16, 32, bias=False)
+    where = _by_name(build_parameter_groups(model))
+    assert where["blocks.0.up.weight"]["use_muon"]
+    assert not where["lm_head.weight"]["use_muon"]
+
+
+def test_the_guess_is_logged_group_by_group(caplog):
+    with caplog.at_level(logging.INFO, logger="k3_optim.param_groups"):
+        groups = build_parameter_groups(TinyLM(tied=False))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(groups)
+    for group, line in zip(groups, lines):
+        assert group["name"] in line
+        assert all(name in line for name in group["param_names"])
+
+
+def test_check_parameter_groups_finds_missing_duplicated_and_foreign_parameters():
+    model = TinyLM(tied=False)
+    groups = build_parameter_groups(model)
+    check_parameter_groups(model, groups)  # complete: no error
+    short = [dict(g) for g in groups]
+    short[0] = {**short[0], "params": short[0]["params"][1:],
+                "param_names": short[0]["param_names"][1:]}
+    with pytest.raises(ValueError, match=groups[0]["param_names"][0].replace(".", r"\.")):
+        check_parameter_groups(model, short)
+    twice = [*groups, {**groups[0], "name": "again"}]
+    with pytest.raises(ValueError, match="also in"):
+        check_parameter_groups(model, twice)
+    stranger = [*groups, {"use_muon": False, "params": [nn.Parameter(torch.ones(2))]}]
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        check_parameter_groups(model, stranger)
+    with pytest.raises(ValueError, match="use_muon"):
+        check_parameter_groups(model, [{"params": list(model.parameters())}])

@@ -12,7 +12,7 @@ from .newton_schulz import (
     resolve_ns_dtype,
 )
 from .optimizer import MuonAdamW
-from .param_groups import build_parameter_groups
+from .param_groups import build_parameter_groups, check_parameter_groups
 
 try:
     __version__ = version("k3-optim")
@@ -28,6 +28,7 @@ __all__ = [
     "MuonAdamW",
     "__version__",
     "build_parameter_groups",
+    "check_parameter_groups",
     "matrix_view_shape",
     "newton_schulz",
     "resolve_ns_dtype",

@@ -1,15 +1,17 @@
 """The Muon half of MuonAdamW as a functional core on lists of tensors.
 
-Per group: Nesterov momentum (one foreach call), then every same-shape matrix goes
-through one batched Newton–Schulz call, then decoupled weight decay and the scaled
-update (foreach calls per shape bucket). The optimizer class only gathers tensors.
+Per group: momentum, Nesterov look-ahead and decoupled weight decay as ``torch._foreach_*``
+calls over all of the group's tensors, then every same-shape matrix goes through one
+batched Newton–Schulz call, then the scaled update added with one foreach call per update
+scale. The optimizer class only gathers tensors (and, when distributed, supplies an
+orthogonalizer that runs each matrix's Newton–Schulz on one rank).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -60,44 +62,34 @@ def matrix_view_shape(
     return math.prod(shape[:-2]), shape[-2], shape[-1]
 
 
-def muon_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    momentum_buffers: list[torch.Tensor],
-    views: list[tuple[int, int, int]],
+def ns_cost(view: tuple[int, int, int]) -> int:
+    """Relative Newton–Schulz cost of a ``(batch, rows, cols)`` stack (multiply-adds per step)."""
+    batch, rows, cols = view
+    m, n = min(rows, cols), max(rows, cols)
+    return batch * m * m * (2 * n + m)
+
+
+def orthogonalize(
+    updates: Sequence[torch.Tensor],
+    views: Sequence[tuple[int, int, int]],
     *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
     ns_steps: int,
     ns_dtype: DTypeSpec,
     ns_coefficients: CoefficientSpec,
     ns_eps: float,
-    update_scale: str,
-) -> None:
-    """Apply one Muon step in place to ``params`` (and ``momentum_buffers``).
+) -> list[torch.Tensor]:
+    """Newton–Schulz on full updates: one batched call per shape bucket.
 
-    ``views[i]`` is the ``(batch, rows, cols)`` stack from :func:`matrix_view_shape`.
-    Momentum is an EMA (``buf ← m·buf + (1−m)·g``); the sum convention differs only by
-    a scalar, which Newton–Schulz normalizes away.
+    Matrices with the same wide-orientation shape (tall ones transposed: NS would
+    transpose them anyway), device and dtype share a call. Returns new tensors shaped
+    like ``updates``.
     """
-    if not params:
-        return
-    torch._foreach_lerp_(momentum_buffers, grads, 1.0 - momentum)
-    updates: Sequence[torch.Tensor] = (
-        torch._foreach_lerp(grads, momentum_buffers, momentum) if nesterov else momentum_buffers
-    )
-    if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-
-    # Matrices with the same wide-orientation shape (tall ones transposed: NS would
-    # transpose them anyway), device and dtype → one batched Newton–Schulz call.
     buckets: dict[tuple[int, int, torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, (_, rows, cols) in enumerate(views):
-        key = (min(rows, cols), max(rows, cols), params[i].device, params[i].dtype)
+        key = (min(rows, cols), max(rows, cols), updates[i].device, updates[i].dtype)
         buckets[key].append(i)
 
+    result: list[torch.Tensor | None] = [None] * len(updates)
     for (_, _, device, _), indices in buckets.items():
         mats = []
         for i in indices:
@@ -112,15 +104,69 @@ def muon_update(
             dtype=resolve_ns_dtype(ns_dtype, device),
             eps=ns_eps,
         )
-        # The scale depends on the orientation (spectral: rows/cols), so add per scale.
-        by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
-            lambda: ([], [])
-        )
         for i, piece in zip(indices, torch.split(ortho, [views[i][0] for i in indices])):
-            _, rows, cols = views[i]
-            update = piece if rows <= cols else piece.mT
-            targets, deltas = by_scale[update_scale_factor(update_scale, rows, cols)]
-            targets.append(params[i])
-            deltas.append(update.reshape(params[i].shape))
-        for scale, (targets, deltas) in by_scale.items():
-            torch._foreach_add_(targets, deltas, alpha=-lr * scale)
+            rows, cols = views[i][1:]
+            result[i] = (piece if rows <= cols else piece.mT).reshape(updates[i].shape)
+    return result  # type: ignore[return-value]
+
+
+Orthogonalizer = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def muon_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    views: list[tuple[int, int, int]],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    update_scale: str,
+    orthogonalize: Orthogonalizer,
+    foreach: bool = True,
+) -> None:
+    """Apply one Muon step in place to ``params`` (and ``momentum_buffers``).
+
+    The tensors may be local shards (FSDP2): everything here is elementwise except
+    ``orthogonalize``, which maps the list of momentum updates to orthogonalized updates
+    of the same (local) shapes. ``views[i]`` is the full parameter's ``(batch, rows,
+    cols)`` stack from :func:`matrix_view_shape`, which sets the update scale. Momentum
+    is an EMA (``buf ← m·buf + (1−m)·g``); the sum convention differs only by a scalar,
+    which Newton–Schulz normalizes away. ``foreach=False`` runs the same arithmetic one
+    tensor at a time (the baseline the benchmark compares against).
+    """
+    if not params:
+        return
+    decay = 1.0 - lr * weight_decay
+    if foreach:
+        torch._foreach_lerp_(momentum_buffers, grads, 1.0 - momentum)
+        updates = (
+            torch._foreach_lerp(grads, momentum_buffers, momentum)
+            if nesterov else list(momentum_buffers)
+        )
+        if weight_decay != 0.0:
+            torch._foreach_mul_(params, decay)
+    else:
+        updates = []
+        for p, g, buf in zip(params, grads, momentum_buffers):
+            buf.lerp_(g, 1.0 - momentum)
+            updates.append(g.lerp(buf, momentum) if nesterov else buf)
+            if weight_decay != 0.0:
+                p.mul_(decay)
+
+    ortho = orthogonalize(list(updates))
+    # One foreach add per (scale, device, dtype): the scale depends on the shape.
+    by_scale: dict[tuple[float, torch.device, torch.dtype],
+                   tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+    for p, o, (_, rows, cols) in zip(params, ortho, views):
+        scale = update_scale_factor(update_scale, rows, cols)
+        if not foreach:
+            p.add_(o, alpha=-lr * scale)
+            continue
+        targets, deltas = by_scale[(scale, p.device, p.dtype)]
+        targets.append(p)
+        deltas.append(o)
+    for (scale, _, _), (targets, deltas) in by_scale.items():
+        torch._foreach_add_(targets, deltas, alpha=-lr * scale)

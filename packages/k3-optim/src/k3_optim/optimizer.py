@@ -7,14 +7,17 @@ in one optimizer means one LR assignment, one GradScaler, one state dict and one
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim.adamw import adamw as _torch_adamw
 
-from .muon import UPDATE_SCALES, matrix_view_shape, muon_update
+from .distributed import distributed_orthogonalize, local, resolve_comm
+from .muon import UPDATE_SCALES, matrix_view_shape, muon_update, orthogonalize
 from .newton_schulz import CoefficientSpec, DTypeSpec, resolve_coefficients, resolve_ns_dtype
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]]
@@ -42,6 +45,13 @@ class MuonAdamW(torch.optim.Optimizer):
         betas, eps: AdamW moments and denominator epsilon.
         foreach, fused: passed to torch's AdamW implementation (``None`` = torch's
             default, so AdamW groups match ``torch.optim.AdamW`` exactly).
+        distributed: orthogonalize each Muon matrix once across the ranks of a process
+            group instead of on every rank. ``None`` (default): on for DTensor parameters
+            (FSDP2 ``fully_shard``), off for plain tensors. ``True``: also for plain
+            tensors, which must then be replicated on every rank with identical
+            gradients (DDP). ``False``: never (plain tensors only).
+        process_group: the group for plain tensors with ``distributed=True`` (default:
+            the default group); DTensor parameters use their device mesh's group.
     """
 
     def __init__(
@@ -61,6 +71,8 @@ class MuonAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         foreach: bool | None = None,
         fused: bool | None = None,
+        distributed: bool | None = None,
+        process_group: Any = None,
     ) -> None:
         defaults: dict[str, Any] = dict(
             lr=lr,
@@ -80,6 +92,20 @@ class MuonAdamW(torch.optim.Optimizer):
             fused=fused,
         )
         _validate_options(defaults, where="MuonAdamW")
+        if distributed not in (None, True, False):
+            raise ValueError(f"MuonAdamW: distributed must be None, True or False, got "
+                             f"{distributed!r}")
+        if distributed and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "MuonAdamW(distributed=True) needs an initialized process group: call "
+                "torch.distributed.init_process_group() first (torchrun sets it up)"
+            )
+        if process_group is not None and not distributed:
+            raise ValueError("MuonAdamW: process_group is used only with distributed=True")
+        # Not in ``defaults``: neither belongs in a state dict (a group is not picklable).
+        self.distributed = distributed
+        self.process_group = process_group
+        self._foreach = True  # False: the per-tensor baseline of benchmarks/bench_optim.py
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -122,9 +148,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        loads: dict[int, list[float]] = {}  # per process group: NS work owned by each rank
         for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
-                self._muon_group_step(index, group)
+                self._muon_group_step(index, group, loads)
             else:
                 self._adamw_group_step(index, group)
         return loss
@@ -138,29 +165,53 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise RuntimeError(f"MuonAdamW does not support complex gradients (group {index})")
         return params
 
-    def _muon_group_step(self, index: int, group: dict[str, Any]) -> None:
+    def _muon_group_step(
+        self, index: int, group: dict[str, Any], loads: dict[int, list[float]]
+    ) -> None:
         params = self._params_with_grad(index, group)
         bufs = []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
+                # A DTensor parameter gets a DTensor buffer: momentum is sharded like it.
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs.append(state["momentum_buffer"])
-        muon_update(
-            params,
-            [p.grad for p in params],  # type: ignore[misc]
-            bufs,
-            [matrix_view_shape(p.shape, num_heads=group["num_heads"], flatten=group["flatten"])
-             for p in params],
-            lr=float(group["lr"]),
-            weight_decay=group["weight_decay"],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
+            bufs.append(local(state["momentum_buffer"]))
+        views = [matrix_view_shape(p.shape, num_heads=group["num_heads"], flatten=group["flatten"])
+                 for p in params]
+        ns = functools.partial(
+            orthogonalize,
             ns_steps=group["ns_steps"],
             ns_dtype=group["ns_dtype"],
             ns_coefficients=group["ns_coefficients"],
             ns_eps=group["ns_eps"],
+        )
+        names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+        name_of = {id(p): n for p, n in zip(group["params"], names)}
+        comm = resolve_comm(params, [name_of[id(p)] for p in params], where=f"param group {index}",
+                            distributed=self.distributed, process_group=self.process_group)
+        if comm is None:
+            ortho: Callable[[list[torch.Tensor]], list[torch.Tensor]] = functools.partial(
+                ns, views=views)
+        else:
+            process_group, layouts = comm
+            ortho = functools.partial(
+                distributed_orthogonalize, views=views, layouts=layouts, group=process_group,
+                loads=loads.setdefault(id(process_group),
+                                       [0.0] * dist.get_world_size(process_group)),
+                orthogonalize=ns,
+            )
+        muon_update(
+            [local(p) for p in params],
+            [local(p.grad) for p in params],  # type: ignore[arg-type]
+            bufs,
+            views,
+            lr=float(group["lr"]),
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
             update_scale=group["update_scale"],
+            orthogonalize=ortho,
+            foreach=self._foreach,
         )
 
     def _adamw_group_step(self, index: int, group: dict[str, Any]) -> None:

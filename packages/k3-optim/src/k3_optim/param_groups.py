@@ -3,11 +3,17 @@
 Muon's orthogonalized update suits the hidden linear maps of a network. Embeddings and
 the output head are lookup/readout tables whose rows see very different gradient
 scales, and norms, biases and scalars are not matrices at all, so they go to AdamW.
+
+A model that knows its parameters should declare its groups itself (``k3_model.K3Model``
+does, with ``parameter_groups(lr, weight_decay)``); :func:`check_parameter_groups`
+verifies such a declaration. :func:`build_parameter_groups` is the fallback for models
+that do not: it guesses from module types and names, and logs what it decided.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,6 +24,8 @@ from torch import nn
 DEFAULT_HEAD_NAMES = ("lm_head", "output", "head", "unembed", "output_head", "classifier")
 
 MuonPredicate = Callable[[str, nn.Parameter], "bool | None"]
+
+logger = logging.getLogger(__name__)
 
 
 def build_parameter_groups(
@@ -36,10 +44,13 @@ def build_parameter_groups(
     """Return MuonAdamW param groups for ``model``'s trainable parameters.
 
     Default choice: a parameter goes to Muon when it has ≥ 2 dims and does not belong
-    to an ``nn.Embedding`` or an output head (a module whose name is in ``head_names``,
-    a weight tied to an embedding, or an ``nn.Linear`` whose weight has an embedding
-    table's shape). Everything else goes to AdamW; 1-D and scalar
-    parameters get no weight decay.
+    to an ``nn.Embedding`` or an output head: a module whose name is in ``head_names``,
+    a weight tied to an embedding, or the model's *last* ``nn.Linear`` when its weight
+    has an embedding table's shape (an untied readout). A hidden matrix that merely has
+    the table's shape (``d_ff == vocab``…) stays with Muon. Everything else goes to
+    AdamW; 1-D and scalar parameters get no weight decay. Being a guess, the result is
+    logged (logger ``k3_optim.param_groups``, INFO): one line per group with its
+    parameter names.
 
     Overrides, strongest first: ``predicate(name, param)`` returning True/False (None
     defers), then fnmatch ``muon_patterns`` / ``adamw_patterns`` on the full parameter
@@ -66,13 +77,14 @@ def build_parameter_groups(
         if isinstance(module, nn.Embedding | nn.EmbeddingBag):
             embedding_params.update(id(p) for p in module.parameters(recurse=False))
             embedding_shapes.add(tuple(module.weight.shape))
+    linears = [m for _, m in modules if isinstance(m, nn.Linear)]
+    # An untied readout is the last Linear, shaped like an embedding table (vocab × d);
+    # an earlier Linear of that shape is a hidden matrix whose shape is a coincidence.
+    readout = linears[-1] if linears and tuple(linears[-1].weight.shape) in embedding_shapes \
+        else None
     for module_name, module in modules:
         direct = list(module.parameters(recurse=False))
-        # An output head: named like one, or a Linear shaped like an embedding table
-        # (vocab × d_model), which is what an untied readout is.
-        if module_name.rsplit(".", 1)[-1] in head_names or (
-            isinstance(module, nn.Linear) and tuple(module.weight.shape) in embedding_shapes
-        ):
+        if module_name.rsplit(".", 1)[-1] in head_names or module is readout:
             head_params.update(id(p) for p in direct)
         if isinstance(module, nn.modules.conv._ConvNd):
             conv_params.update(id(p) for p in direct)
@@ -122,7 +134,45 @@ def build_parameter_groups(
         raise ValueError("model has no trainable parameters")
     # Muon groups first, then AdamW: a stable, readable order for checkpoints and logs.
     result.sort(key=lambda g: (not g["use_muon"], g["name"]))
+    for group in result:
+        logger.info(
+            "build_parameter_groups (guessed from names and shapes) %s: %s",
+            group["name"], ", ".join(group["param_names"]),
+        )
     return result
+
+
+def check_parameter_groups(model: nn.Module, groups: Iterable[Mapping[str, Any]]) -> None:
+    """Raise ``ValueError`` unless ``groups`` hold every trainable parameter of ``model``
+    exactly once, each with ``use_muon`` and matching ``param_names`` when given.
+
+    What a trainer checks of a model's own declaration before building the optimizer:
+    a parameter left out would silently never train.
+    """
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    seen: dict[int, str] = {}
+    for index, group in enumerate(groups):
+        label = f"param group {index} ({group.get('name', '?')!r})"
+        if "use_muon" not in group:
+            raise ValueError(f"{label} has no 'use_muon' key")
+        params = list(group["params"])
+        declared = group.get("param_names")
+        if declared is not None and len(declared) != len(params):
+            raise ValueError(f"{label}: {len(params)} params but {len(declared)} param_names")
+        for i, p in enumerate(params):
+            name = names.get(id(p))
+            if name is None:
+                raise ValueError(f"{label}: parameter {i} is not a trainable parameter of "
+                                 "the model")
+            if id(p) in seen:
+                raise ValueError(f"{label}: parameter {name} is also in {seen[id(p)]}")
+            seen[id(p)] = label
+    missing = [n for i, n in names.items() if i not in seen]
+    if missing:
+        raise ValueError(
+            f"the model's parameter groups leave out {', '.join(missing)}: every trainable "
+            "parameter must be in exactly one group"
+        )
 
 
 def _choose_muon(
