@@ -161,6 +161,29 @@ def test_validate_rejects_nonfinite_naming_module_and_head(bad, make):
         assert_bitwise_equal(before, snapshot(model))
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_the_device_flag_lets_validate_skip_its_own_sync(bad, make, monkeypatch):
+    """nonfinite() is the check as a device bool; validate(flag) trusts the host value and
+    reads no tensor itself unless it has to name the offending heads."""
+    model = make("mha")
+    with QKClip(model, QKClipPolicy(tau=1.0)) as clip:
+        assert clip.nonfinite() is None or not bool(clip.nonfinite())
+        model.qk_observer.record(torch.tensor([5.0, 5.0, 5.0, 5.0]))
+        flag = clip.nonfinite()
+        assert flag is not None and flag.dtype == torch.bool and flag.ndim == 0
+        assert not bool(flag)
+        reads = []
+        monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(t) or True)
+        clip.validate(False)
+        assert reads == []
+        monkeypatch.undo()
+        clip.apply()  # validated: apply does not validate again
+        model.qk_observer.record(torch.tensor([5.0, bad, 5.0, 5.0]))
+        assert bool(clip.nonfinite())
+        with pytest.raises(FloatingPointError, match="head 1"):
+            clip.validate(True)
+
+
 def test_validate_accepts_finite_negative_and_unobserved(make):
     model = make("gqa")
     with QKClip(model) as clip:

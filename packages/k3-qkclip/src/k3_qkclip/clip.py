@@ -119,20 +119,37 @@ class QKClip:
         for observer in self._observers.values():
             observer.reset()
 
-    def validate(self) -> None:
+    def nonfinite(self) -> Tensor | None:
+        """A 0-dim bool tensor on the device: does an observed head hold NaN or +inf?
+
+        No host sync: a caller that reads other device values at this point anyway (the
+        trainer reads the gradient norm) reads this flag with them and passes it to
+        :meth:`validate`, which then needs no sync of its own. None without observers.
+        """
+        self._require_active("nonfinite")
+        observers = list(self._observers.values())
+        if not observers:
+            return None
+        device = observers[0].value.device
+        values = torch.cat([o.value.to(device) for o in observers])
+        return (torch.isnan(values) | (values == math.inf)).any()
+
+    def validate(self, nonfinite: bool | None = None) -> None:
         """Raise ``FloatingPointError`` if an observed head's max logit is NaN or +inf.
 
         Call it after gradient clipping and before the optimizer step: it mutates
         nothing, so a rejection leaves weights and optimizer state untouched. One host
-        sync for all modules.
+        sync for all modules, or none when ``nonfinite`` is the host value of
+        :meth:`nonfinite` read since the last observation.
         """
         self._require_active("validate")
         observers = list(self._observers.values())
         if not observers:
             return
-        device = observers[0].value.device
-        values = torch.cat([o.value.to(device) for o in observers])
-        if bool((torch.isnan(values) | (values == math.inf)).any()):
+        if nonfinite is None:
+            flag = self.nonfinite()
+            nonfinite = bool(flag) if flag is not None else False
+        if nonfinite:
             problems = [
                 f"{o.name!r} head {head} ({value})"
                 for o in observers
