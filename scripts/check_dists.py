@@ -47,7 +47,8 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[1]
 
 # Import names whose distribution is named differently (extend when a dependency needs it).
-IMPORT_TO_DIST = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
+IMPORT_TO_DIST = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn",
+                  "fla": "flash-linear-attention"}
 
 
 def normalize(name: str) -> str:

@@ -18,6 +18,13 @@ SMALL: dict[str, dict[str, Any]] = {
                 v_head_dim=12),
     "mla_qlora": dict(attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
                       qk_rope_head_dim=8, v_head_dim=12),
+    # Kimi K3 layout: KDA then Gated NoPE MLA (last layer), plain residual and MoE
+    "hybrid": dict(attention="hybrid", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                   v_head_dim=12, kda_chunk_size=16),
+    # ... with Attention Residuals, LatentMoE and SiTU-GLU: every K3 mechanism at once
+    "k3": dict(attention="hybrid", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+               v_head_dim=12, kda_chunk_size=16, attn_res_block_size=1, moe_latent_dim=32,
+               activation="situ"),
 }
 
 

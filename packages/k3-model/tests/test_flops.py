@@ -2,7 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from k3_model import PRESETS, K3Config, K3Model, count_parameters, flops_per_token
+from k3_model import (
+    PRESETS,
+    K3Config,
+    K3Model,
+    count_parameters,
+    flops_per_token,
+    kda_flops_per_token,
+)
 
 
 def _numel(config: K3Config) -> int:
@@ -56,6 +63,45 @@ def test_tied_mla_config_with_query_lora_against_a_hand_count():
     assert count.matmul == embed + attn_matmul + dense == 390  # the tied head still multiplies
     assert _numel(config) == total
     assert flops_per_token(config, 7) == 6 * 390 + 6 * 1 * 2 * (4 + 3) * 7 == 2928
+
+
+def test_hybrid_latent_moe_attn_res_config_against_a_hand_count():
+    config = K3Config(
+        vocab_size=11, d_model=8, n_layers=2, n_heads=2, attention="hybrid",  # kda, mla
+        kv_lora_rank=3, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3,
+        kda_heads=2, kda_head_dim=4, kda_conv_size=4, kda_chunk_size=16,
+        attn_res_block_size=1, mlp="moe", n_dense_layers=1, d_ff=5, activation="situ",
+        n_experts=4, moe_top_k=1, n_shared_experts=1, moe_d_ff=6, moe_latent_dim=4,
+    )
+    embed = head = 11 * 8
+    final_norm = 8
+    reads = (1 + 2 + 1) * (8 + 8)  # layer 0: mlp read; layer 1: both; the final read
+    # KDA, inner H·K = 8: q/k/v 3·8·8, convs 3·8·4, f_a 8·4, f_b 4·8, β 8·2, gate 8·8, o 8·8
+    kda_matmul = 192 + 96 + 32 + 32 + 16 + 64 + 64  # 496
+    kda_vectors = 2 + 8 + 4  # A_log, dt_bias, o_norm
+    # Gated NoPE MLA: q 8·2·4, kv_down 8·(3+2), kv_up 3·2·(2+3), o 6·8, gate 8·6
+    mla_matmul = 64 + 40 + 30 + 48 + 48  # 230
+    mla_norm = 3
+    norms = 2 * 8  # per block
+    dense = 3 * 8 * 5  # 120
+    # LatentMoE: router 4·8, down 8·4, up 4·8, latent norm 4, expert 3·4·6 (latent
+    # width), shared expert 3·8·6 (full width)
+    router, down, up, latent_norm, expert, shared = 32, 32, 32, 4, 72, 144
+    moe_total = router + down + up + latent_norm + 4 * expert + shared  # 532
+    moe_matmul = router + down + up + expert + shared  # 312 (top-1)
+    total = (embed + head + final_norm + reads + kda_matmul + kda_vectors + norms + dense
+             + mla_matmul + mla_norm + norms + moe_total)
+    assert total == 1675
+    count = count_parameters(config)
+    assert count.total == total == _numel(config)
+    assert count.active == total - 3 * expert == 1459
+    assert count.matmul == head + kda_matmul + dense + mla_matmul + moe_matmul == 1246
+    # KDA per token and head, forward, C=16, K=V=4: 2CK+2CK (kkᵀ, qkᵀ) + C(K+V) (solve)
+    # + 2CV (intra-chunk output) + 6KV (v', q·S, state update) = 608; training ×3, 2 heads
+    kda = 3 * 2 * (2 * 16 * 4 * 2 + 16 * 8 + 2 * 16 * 4 + 6 * 4 * 4)
+    assert kda == kda_flops_per_token(config) == 3648
+    softmax = 6 * 1 * 2 * (4 + 3) * 10  # the one MLA layer at seq 10
+    assert flops_per_token(config, 10) == 6 * 1246 + softmax + kda == 11964
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])

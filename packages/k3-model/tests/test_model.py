@@ -7,9 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3_model import PRESETS, K3Model, MoE, Router, count_parameters
+from k3_model import (
+    PRESETS,
+    K3Model,
+    KimiDeltaAttention,
+    MoE,
+    ResidualRead,
+    Router,
+    count_parameters,
+)
+from k3_model.attention import MLAttention
 
-KINDS = ("mha", "gqa", "mla", "mla_qlora")
+KINDS = ("mha", "gqa", "mla", "mla_qlora", "hybrid", "k3")
 
 
 def test_initial_loss_of_the_tiny_preset_is_about_ln_vocab():
@@ -55,6 +64,10 @@ def test_sequence_longer_than_max_seq_len_is_refused(make_model, make_tokens):
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp32_backward_reaches_every_parameter(kind, make_model, make_tokens):
     model = make_model(kind).train()
+    with torch.no_grad():  # zero pseudo-queries leave their read norms without a gradient
+        for module in model.modules():
+            if isinstance(module, ResidualRead):
+                module.query.normal_()
     _, loss = model(make_tokens(seed=1), make_tokens(seed=2))
     assert loss is not None
     loss.backward()
@@ -123,12 +136,143 @@ def test_moe_layers_and_muon_per_head_describe_the_model(make_model):
     model = make_model("gqa", n_layers=3)
     assert list(model.moe_layers()) == ["layers.1.mlp", "layers.2.mlp"]
     assert model.muon_per_head() == {
-        "*.attn.q_proj.weight": 4, "*.attn.k_proj.weight": 2, "*.attn.v_proj.weight": 2,
+        f"*layers.{i}.attn.{w}.weight": h
+        for i in range(3) for w, h in (("q_proj", 4), ("k_proj", 2), ("v_proj", 2))
     }
     mla = make_model("mla_qlora")
-    assert mla.muon_per_head() == {"*.attn.q_up.weight": 4, "*.attn.kv_up.weight": 4}
-    names = dict(mla.named_parameters())
-    for pattern, heads in mla.muon_per_head().items():
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        assert len(matched) == 2
-        assert all(names[n].shape[0] % heads == 0 for n in matched)
+    assert mla.muon_per_head() == {f"*layers.{i}.attn.{w}.weight": 4
+                                   for i in range(2) for w in ("q_up", "kv_up")}
+    hybrid = make_model("hybrid", kda_heads=2)  # KDA and MLA head counts differ
+    assert hybrid.muon_per_head() == {
+        "*layers.0.attn.q_proj.weight": 2, "*layers.0.attn.k_proj.weight": 2,
+        "*layers.0.attn.v_proj.weight": 2,
+        "*layers.1.attn.q_proj.weight": 4, "*layers.1.attn.kv_up.weight": 4,
+    }
+    for m in (mla, hybrid):
+        names = dict(m.named_parameters())
+        for pattern, heads in m.muon_per_head().items():
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            assert len(matched) == 1, pattern
+            assert names[matched[0]].shape[0] % heads == 0
+
+
+def test_hybrid_layout_puts_gated_nope_mla_every_fourth_and_last_layer(make_model):
+    model = make_model("hybrid", n_layers=6)
+    kinds = ["kda", "kda", "kda", "mla", "kda", "mla"]
+    assert model.config.layer_types() == kinds
+    for layer, kind in zip(model.layers, kinds):
+        cls = KimiDeltaAttention if kind == "kda" else MLAttention
+        assert isinstance(layer.attn, cls)
+    mla = model.layers[3].attn
+    assert mla.gated and not mla.rope  # K3: gated, NoPE
+    assert model.rotary is None  # nothing rotates: no tables at all
+    assert isinstance(model.layers[0].mlp, MoE) is False  # layer 0 dense
+    assert all(isinstance(layer.mlp, MoE) for layer in model.layers[1:])
+    plain = make_model("mla", n_layers=2).layers[0].attn
+    assert not plain.gated and plain.rope and plain.g_proj is None  # comparison mode
+
+
+def test_gated_mla_output_is_o_proj_of_heads_times_sigmoid_gate(make_model):
+    model = make_model("hybrid", n_layers=1, mlp="dense").eval()
+    attn = model.layers[0].attn
+    assert isinstance(attn, MLAttention) and attn.g_proj is not None
+    seen: list[torch.Tensor] = []
+    attn.o_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    x = torch.randn(2, 10, 48)
+    gated = attn(x)
+    gate, attn.g_proj = attn.g_proj, None  # the same module without its gate
+    attn(x)
+    torch.testing.assert_close(seen[0], seen[1] * torch.sigmoid(gate(x)))
+    torch.testing.assert_close(gated, attn.o_proj(seen[0]))
+
+
+def test_reset_parameters_keeps_the_designed_inits(make_model):
+    model = make_model("k3", n_layers=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.reset_parameters()
+    reads = [m for m in model.modules() if isinstance(m, ResidualRead)]
+    assert len(reads) == 2 * 3  # two per layer, none before layer 0's attention, one final
+    assert all(torch.equal(r.query, torch.zeros(48)) for r in reads)
+    kdas = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    assert len(kdas) == 2
+    for kda in kdas:
+        assert torch.equal(kda.dt_bias, torch.zeros_like(kda.dt_bias))
+        assert ((kda.A_log.exp() >= 1 - 1e-6) & (kda.A_log.exp() <= 16 + 1e-5)).all()
+        assert kda.A_log.std() > 0  # drawn, not filled
+        assert torch.equal(kda.o_norm.weight, torch.ones_like(kda.o_norm.weight))
+        # depthwise conv: torch's fan-in init (fan-in 4), far wider than N(0, 0.02)
+        assert kda.q_conv.weight.abs().max() > 0.1
+    assert 0.015 < model.layers[1].mlp.router.weight.std() < 0.025
+
+
+def test_attention_residuals_start_as_the_mean_of_their_sources(make_model, make_tokens):
+    """Zero pseudo-queries: every read is the plain mean of its sources (DESIGN §7)."""
+    model = make_model("k3", n_layers=3, mlp="dense", attn_res_block_size=2).eval()
+    x = make_tokens()
+    emb = model.embed(x)
+    mix = [layer.mix for layer in model.layers]
+    feed = [layer.feed for layer in model.layers]
+    # Layer 0 commits the embedding; layer 2 commits block 1 (layers 0-1).
+    p = mix[0](emb, None)
+    p = p + feed[0]((emb + p) / 2)
+    p = p + mix[1]((emb + p) / 2, None)
+    p = p + feed[1]((emb + p) / 2)
+    block1, p = p, mix[2]((emb + p) / 2, None)
+    p = p + feed[2]((emb + block1 + p) / 3)
+    expected = model.lm_head(model.norm((emb + block1 + p) / 3))
+    torch.testing.assert_close(model(x)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_residual_read_is_a_softmax_over_normalized_sources():
+    torch.manual_seed(0)
+    read = ResidualRead(8, eps=1e-6)
+    with torch.no_grad():
+        read.query.normal_()
+        read.norm.weight.uniform_(0.5, 1.5)
+    sources = [torch.randn(2, 3, 8) * s for s in (1.0, 3.0, 0.2)]
+    scores = torch.stack([(read.norm(s) * read.query).sum(-1) for s in sources])
+    weights = scores.softmax(0)
+    expected = sum(w.unsqueeze(-1) * s for w, s in zip(weights, sources))
+    torch.testing.assert_close(read(sources), expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = read([s.bfloat16() for s in sources])
+    assert mixed.dtype == torch.bfloat16
+
+
+def test_the_hybrid_model_trains_with_muon_adamw(make_model):
+    """Loss falls over a few dozen MuonAdamW steps on a repeating sequence."""
+    k3_optim = pytest.importorskip("k3_optim")
+    torch.manual_seed(0)
+    model = make_model("k3", n_layers=3).train()
+    optimizer = k3_optim.MuonAdamW(model.parameter_groups(lr=2e-2, weight_decay=0.0))
+    x = torch.arange(33).remainder(7).repeat(4, 1)  # 0..6 repeating: predictable
+    losses = []
+    for _ in range(30):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        assert loss is not None
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.3 * losses[0], losses
+
+
+def test_bf16_autocast_runs_the_k3_model_with_fp32_params_router_and_situ(make_model,
+                                                                           make_tokens):
+    model = make_model("k3").train()
+    layer = model.layers[1].mlp
+    assert isinstance(layer, MoE)
+    seen: dict[str, torch.dtype] = {}
+    layer.experts.register_forward_hook(lambda m, i, out: seen.__setitem__("experts", out.dtype))
+    layer.router.register_forward_hook(lambda m, i, out: seen.__setitem__("router", out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.experts.grouped_mm_applies(torch.zeros(1, 32))  # the bf16 grouped GEMM
+        logits, loss = model(make_tokens(seed=1), make_tokens(seed=2))
+    assert loss is not None and logits.dtype == torch.bfloat16
+    assert seen == {"experts": torch.bfloat16, "router": torch.float32}
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32, name
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name

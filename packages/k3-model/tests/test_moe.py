@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from k3_model import MoE, QuantileBalancer, RoutingStats, quantile_bias
+from k3_model import (
+    GatedMLP,
+    MoE,
+    QuantileBalancer,
+    RoutingStats,
+    expert_counts,
+    quantile_bias,
+    situ_glu,
+)
 
 
 def test_quantile_bias_matches_a_hand_solved_example():
@@ -172,3 +182,95 @@ def test_balancer_rejects_invalid_arguments():
         QuantileBalancer(4, 4)
     with pytest.raises(ValueError, match="rate"):
         QuantileBalancer(4, 2, rate=0.0)
+
+
+def test_latent_moe_matches_a_per_token_reference(make_config):
+    torch.manual_seed(0)
+    config = make_config(moe_latent_dim=16, activation="situ", n_shared_experts=2)
+    layer = MoE(config).eval()
+    assert layer.experts.w_gate.shape == (4, 32, 16)  # experts run at the latent width
+    assert layer.shared is not None and layer.shared.w_gate.weight.shape == (64, 48)
+    x = torch.randn(40, 48)
+    experts, gates = layer.route(x)  # the router reads the full-width input
+    assert layer.router.weight.shape == (4, 48)
+    w = layer.experts
+    latent = layer.down_proj(x)
+    routed = torch.zeros(40, 16)
+    for t in range(40):
+        for j in range(2):
+            e = experts[t, j]
+            h = situ_glu(w.w_gate[e] @ latent[t], w.w_up[e] @ latent[t])
+            routed[t] += gates[t, j] * (w.w_down[e] @ h)
+    expected = layer.up_proj(layer.latent_norm(routed)) + layer.shared(x)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_situ_glu_is_the_k3_formula_in_fp32():
+    g = torch.linspace(-60, 60, 241)
+    u = torch.linspace(-200, 200, 241)
+    expected = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+    torch.testing.assert_close(situ_glu(g, u), expected)
+    assert situ_glu(g, u).abs().max() < 4 * 25  # both factors are capped
+    gb, ub = g.bfloat16(), u.bfloat16()
+    out = situ_glu(gb, ub)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, situ_glu(gb.float(), ub.float()).bfloat16())  # fp32 inside
+    with pytest.raises(ValueError, match="activation"):
+        GatedMLP(8, 16, activation="gelu")
+
+
+def _grouped_and_looped(layer: MoE, x: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
+    results = []
+    for grouped in (True, False):
+        layer.zero_grad()
+        layer.experts.use_grouped_mm = grouped
+        out = layer(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()
+                                       if p.grad is not None}))
+    return results
+
+
+@pytest.mark.parametrize("latent", [0, 16])
+def test_grouped_gemm_and_per_expert_loop_agree_forward_and_backward(make_config, latent):
+    torch.manual_seed(0)
+    layer = MoE(make_config(moe_latent_dim=latent, activation="situ")).eval()
+    x = torch.randn(64, 48)
+    assert layer.experts.grouped_mm_applies(x)
+    (grouped, g_grads), (looped, l_grads) = _grouped_and_looped(layer, x)
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
+    assert g_grads.keys() == l_grads.keys() and any("experts" in n for n in g_grads)
+    for name in g_grads:
+        torch.testing.assert_close(g_grads[name], l_grads[name], rtol=1e-5, atol=1e-6)
+    # a plain .sum() hands backward an expanded gradient, which the kernel rejects raw
+    layer.experts.use_grouped_mm = True
+    layer(x).sum().backward()
+
+
+def test_the_grouped_path_never_syncs_and_the_fallback_is_the_documented_one(make_config):
+    torch.manual_seed(0)
+    layer = MoE(make_config(moe_latent_dim=16)).train()
+    layer.collect_stats = True
+    x = torch.randn(64, 48)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host sync in the MoE forward")
+
+    with mock.patch.object(torch.Tensor, "tolist", no_sync), \
+            mock.patch.object(torch.Tensor, "item", no_sync), \
+            mock.patch.object(torch.Tensor, "__bool__", no_sync):
+        layer(x)
+    assert layer.balancer.load.sum() == 64 * 2
+    x64 = x.double()
+    layer.double()
+    assert not layer.experts.grouped_mm_applies(x64)  # the kernel has no fp64
+    odd = MoE(make_config(moe_d_ff=30))  # 30 fp32 = 120-byte rows: not a multiple of 16
+    assert not odd.experts.grouped_mm_applies(x)
+    with mock.patch.object(torch.Tensor, "tolist", no_sync), pytest.raises(AssertionError):
+        layer(x64)  # the per-expert loop reads the group sizes on the host
+
+
+def test_expert_counts_is_bincount_without_the_sync():
+    flat = torch.randint(0, 7, (500,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_counts(flat, 9), torch.bincount(flat, minlength=9))
+    assert torch.equal(expert_counts(flat[:0], 3), torch.zeros(3, dtype=torch.int64))

@@ -95,3 +95,43 @@ def test_geometry_is_declared_per_layer(make_model):
     with QKClip(gqa) as clip:
         spec = clip.geometry()["modules"]["layers.1.attn"]
     assert (spec["kind"], spec["n_heads"], spec["n_kv_heads"]) == ("gqa", 4, 2)
+
+
+def test_on_the_hybrid_model_only_mla_layers_are_clipped_and_the_invariant_holds(
+    make_model, make_tokens
+):
+    """KDA layers normalize q and k and take no part; the MLA layer's re-observed max
+    logits are min(S, τ) behind two KDA layers (its input does not change); its shared
+    NoPE key slice and every other weight are untouched."""
+    model = make_model("k3", n_layers=3).train()
+    assert model.config.layer_types() == ["kda", "kda", "mla"]
+    for layer in model.moe_layers().values():  # fixed routing: the check is about attention
+        layer.balancer.enabled = False
+    attn = model.layers[2].attn
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.mul_(6.0)
+    x = make_tokens(b=2, t=24)
+
+    def observe() -> torch.Tensor:
+        with QKClip(model, QKClipPolicy(enabled=False)) as clip, torch.no_grad():
+            model(x)
+            assert clip.module_names == ["layers.2.attn"]
+            return clip.max_logits()["layers.2.attn"].clone()
+
+    before = observe()
+    tau = before.median().item()
+    assert (before > tau).any() and (before <= tau).any()
+    untouched = {
+        n: p.clone() for n, p in model.named_parameters()
+        if n not in ("layers.2.attn.q_proj.weight", "layers.2.attn.kv_up.weight")
+    }
+    with QKClip(model, QKClipPolicy(tau=tau)) as clip:
+        clip.reset()
+        model(x)
+        report = clip.apply()
+    assert report.modules["layers.2.attn"].heads_clipped == (before > tau).sum().item()
+    torch.testing.assert_close(observe(), before.clamp(max=tau), rtol=2e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        if name in untouched:  # kv_down (latent and the shared key slice) among them
+            assert torch.equal(p, untouched[name]), name

@@ -1,10 +1,13 @@
-"""Causal self-attention that takes part in QK-Clip: GQA/MHA and multi-head latent (MLA).
+"""Causal self-attention that takes part in QK-Clip: GQA/MHA and (gated) multi-head latent.
 
 Each class declares which rows of which weight feed each head's logits (``qk_clip_spec``)
 and carries a ``qk_observer`` attribute that :class:`k3_qkclip.QKClip` fills while it is
 active. ``observed_attention`` is plain ``F.scaled_dot_product_attention`` unless an
 observer is installed and the module is training; then it also records each head's
 exact maximum pre-softmax logit. No key/value cache: every forward starts from scratch.
+:func:`build_attention` also builds the KDA layers of a hybrid model
+(:mod:`k3_model.kda`), which take no part in QK-Clip: they L2-normalize q and k, so
+their logits are bounded by construction.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import Tensor, nn
 from k3_qkclip import QKObserver, QKSpec, observed_attention
 
 from .config import K3Config
+from .kda import KimiDeltaAttention
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -63,13 +67,15 @@ class GQAttention(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2 / Kimi K2 layout).
+    """Multi-head latent attention (DeepSeek-V2 / Kimi K2 layout), optionally gated (K3).
 
     Query: ``q_proj`` (full rank) or ``q_down`` → ``q_norm`` → ``q_up``; rows per head
-    ``[q_nope | q_rope]``. Key/value: ``kv_down`` rows ``[latent | k_rope]`` (the rotary
-    key, one for all heads), ``kv_norm`` on the latent, ``kv_up`` rows per head
+    ``[q_nope | q_rope]``. Key/value: ``kv_down`` rows ``[latent | k_rope]`` (one key
+    slice shared by all heads), ``kv_norm`` on the latent, ``kv_up`` rows per head
     ``[k_nope | v]``. Logit of head h: ``q_nope·k_nope + rope(q_rope)·rope(k_rope)``,
-    scaled by ``(nope + rope) ** -0.5``.
+    scaled by ``(nope + rope) ** -0.5``; with ``mla_rope`` off (NoPE, as Kimi K3) the
+    shared slice is used as it is, without rotation. Gated (``mla_gate``): the heads'
+    output is multiplied by ``σ(g_proj x)`` (``g_proj``: d → H·v) before ``o_proj``.
     """
 
     qk_observer: QKObserver | None = None  # installed by k3_qkclip.QKClip while active
@@ -80,6 +86,7 @@ class MLAttention(nn.Module):
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_rank = config.v_head_dim, config.kv_lora_rank
         self.q_rank = config.q_lora_rank
+        self.rope, self.gated = config.mla_uses_rope, config.mla_gated
         d, h = config.d_model, self.n_heads
         q_rows = h * (self.nope_dim + self.rope_dim)
         if self.q_rank:
@@ -91,6 +98,7 @@ class MLAttention(nn.Module):
         self.kv_down = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
         self.kv_norm = RMSNorm(self.kv_rank, config.norm_eps)
         self.kv_up = nn.Linear(self.kv_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if self.gated else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
 
     @property
@@ -99,7 +107,8 @@ class MLAttention(nn.Module):
         return "q_up" if self.q_rank else "q_proj"
 
     def qk_clip_spec(self) -> QKSpec:
-        """QK-Clip geometry: per-head query and ``[k_nope | v]`` rows; shared rotary key."""
+        """QK-Clip geometry: per-head query and ``[k_nope | v]`` rows; the shared key slice
+        (rotated or not) is declared and never scaled."""
         return QKSpec.mla(
             self.n_heads,
             self.nope_dim,
@@ -115,22 +124,36 @@ class MLAttention(nn.Module):
         """Per-head Muon row blocks of this module's weights (relative names)."""
         return {f"{self.q_name}.weight": self.n_heads, "kv_up.weight": self.n_heads}
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
+        """``x`` ``(B, T, d)``; ``cos``/``sin`` are the rotary tables (unused with NoPE)."""
         b, t, _ = x.shape
         h, dn, dr, dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         q = self.q_up(self.q_norm(self.q_down(x))) if self.q_rank else self.q_proj(x)
-        q_nope, q_rope = q.view(b, t, h, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)
-        latent, k_rope = self.kv_down(x).split([self.kv_rank, dr], dim=-1)
+        q = q.view(b, t, h, dn + dr).transpose(1, 2)
+        latent, k_shared = self.kv_down(x).split([self.kv_rank, dr], dim=-1)
         kv = self.kv_up(self.kv_norm(latent)).view(b, t, h, dn + dv).transpose(1, 2)
         k_nope, v = kv.split([dn, dv], dim=-1)
-        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).expand(b, h, t, dr)
-        q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        y = observed_attention(q, k, v, self.qk_observer)
-        out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * dv))
+        k_shared = k_shared.unsqueeze(1)
+        if self.rope:
+            if cos is None or sin is None:
+                raise ValueError("MLAttention with RoPE needs the rotary tables cos and sin")
+            q_nope, q_rope = q.split([dn, dr], dim=-1)
+            q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
+            k_shared = apply_rotary(k_shared, cos, sin)
+        k = torch.cat([k_nope, k_shared.expand(b, h, t, dr)], dim=-1)
+        y = observed_attention(q, k, v, self.qk_observer).transpose(1, 2).reshape(b, t, h * dv)
+        if self.g_proj is not None:
+            y = y * torch.sigmoid(self.g_proj(x))
+        out: Tensor = self.o_proj(y)
         return out
 
 
-def build_attention(config: K3Config) -> GQAttention | MLAttention:
-    """The attention module ``config.attention`` names."""
-    return MLAttention(config) if config.attention == "mla" else GQAttention(config)
+def build_attention(config: K3Config, kind: str) -> GQAttention | MLAttention | KimiDeltaAttention:
+    """The token mixer of one layer: ``kind`` is an entry of ``config.layer_types()``."""
+    if kind == "kda":
+        return KimiDeltaAttention(
+            config.d_model, config.kda_n_heads, config.kda_dim,
+            conv_size=config.kda_conv_size, chunk_size=config.kda_chunk_size,
+            backend=config.kda_backend,
+        )
+    return MLAttention(config) if kind == "mla" else GQAttention(config)

@@ -16,8 +16,31 @@ state, saved in the state dict, and a skipped optimizer step does not roll them 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
+
+from .checkpointing import record_choice, replay_choice, tape_mode
+
+_token_gather: Callable[[Tensor], Tensor] | None = None
+
+
+def set_token_gather(gather: Callable[[Tensor], Tensor] | None) -> None:
+    """Data parallel: ``gather(t)`` returns every rank's rows of ``t`` concatenated in rank
+    order (a trainer sets it; None turns it off). Each balancer update then solves the
+    bias from the whole global batch's tokens, so the biases stay identical on every
+    rank and equal one process's with the same global batch."""
+    global _token_gather
+    _token_gather = gather
+
+
+def expert_counts(flat: Tensor, n_experts: int) -> Tensor:
+    """Assignments per expert, ``(E,)`` int64, without a host sync (``bincount`` sizes its
+    output from the data's max on CUDA, which syncs): a sort and a binary search."""
+    ordered = flat.sort().values
+    bounds = torch.arange(n_experts + 1, device=flat.device, dtype=ordered.dtype)
+    return torch.searchsorted(ordered, bounds).diff()
 
 
 def quantile_bias(scores: Tensor, cutoff: Tensor, top_k: int) -> Tensor:
@@ -74,18 +97,27 @@ class QuantileBalancer(nn.Module):
         """Indices ``(T, k)`` of each token's experts for ``scores`` ``(T, E)``.
 
         In training mode this also updates the buffers (after selecting: the new bias
-        serves the next forward).
+        serves the next forward). Inside an activation-checkpointed block the choice is
+        recorded, and its recomputation replays it without updating again
+        (:mod:`k3_model.checkpointing`).
         """
+        mode = tape_mode()
+        if mode == "replay":
+            return replay_choice()
         biased = scores.detach() + self.bias.to(scores.dtype)
         top = biased.topk(self.top_k + 1, dim=-1)  # top-(k+1): the extra one is the cutoff
         chosen = top.indices[:, : self.top_k]
         if self.training:
             self._update(scores.detach(), top.values[:, self.top_k], chosen)
+        if mode == "record":
+            record_choice(chosen)
         return chosen
 
     @torch.no_grad()
     def _update(self, scores: Tensor, cutoff: Tensor, chosen: Tensor) -> None:
-        self.load.copy_(torch.bincount(chosen.reshape(-1), minlength=self.n_experts))
+        if _token_gather is not None:  # data parallel: every rank's tokens, in rank order
+            scores, cutoff, chosen = (_token_gather(t) for t in (scores, cutoff, chosen))
+        self.load.copy_(expert_counts(chosen.reshape(-1), self.n_experts))
         self.updates.add_(1)
         if self.enabled:
             solved = quantile_bias(scores.float(), cutoff.float(), self.top_k)

@@ -12,27 +12,47 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Attention = Literal["gqa", "mla"]
+Attention = Literal["gqa", "mla", "hybrid"]
 MLP = Literal["dense", "moe"]
+Activation = Literal["swiglu", "situ"]
+KDABackend = Literal["auto", "torch", "fla"]
+LayerType = Literal["kda", "mla", "gqa"]
+
+KDA_CHUNK_SIZES = (16, 32, 64)
 
 
 @dataclass(frozen=True)
 class K3Config:
     """Shape of a :class:`~k3_model.K3Model` (defaults: a small MHA + MoE model; the
-    named presets in :mod:`k3_model.presets` are the supported starting points).
+    named presets in :mod:`k3_model.presets` are the Kimi-K3-shaped starting points).
 
-    Attention is ``"gqa"`` (``n_kv_heads`` key/value heads, ``None`` = ``n_heads`` = MHA;
-    ``head_dim`` ``None`` = ``d_model // n_heads``) or ``"mla"`` (multi-head latent
-    attention: query rank ``q_lora_rank`` (0 = a full-rank query projection), key/value
-    latent rank ``kv_lora_rank``, per-head ``qk_nope_head_dim`` + ``qk_rope_head_dim``
-    query/key dims, ``v_head_dim`` value dim; one rotary key shared by all heads).
+    Attention is ``"hybrid"`` (Kimi K3: Kimi Delta Attention layers with a Gated MLA
+    layer every ``full_attention_every`` layers and at the last one, see
+    :meth:`layer_types`), ``"mla"`` (every layer MLA) or ``"gqa"`` (every layer GQA), the
+    last two for comparison. GQA: ``n_kv_heads`` key/value heads (``None`` = ``n_heads``
+    = MHA), ``head_dim`` (``None`` = ``d_model // n_heads``). MLA: query rank
+    ``q_lora_rank`` (0 = full rank), key/value latent rank ``kv_lora_rank``, per-head
+    ``qk_nope_head_dim`` + ``qk_rope_head_dim`` query/key dims (the second part meets one
+    key slice shared by all heads), ``v_head_dim``. ``mla_rope`` rotates that shared slice
+    (None = K3's choice: NoPE in ``"hybrid"``, RoPE in ``"mla"``); ``mla_gate`` multiplies
+    the attention output by ``σ(W_g x)`` (None = on in ``"hybrid"``, off in ``"mla"``).
+    KDA: ``kda_heads`` (None = ``n_heads``) of ``kda_head_dim`` (None = ``d_model //
+    kda_heads``), short convolution ``kda_conv_size``, chunk ``kda_chunk_size``, kernel
+    ``kda_backend``.
 
-    MLP is ``"dense"`` (SwiGLU, hidden ``d_ff``) or ``"moe"``: every layer from
-    ``n_dense_layers`` on holds ``n_experts`` SwiGLU experts of hidden ``moe_d_ff`` of
-    which each token uses ``moe_top_k`` (sigmoid router), plus ``n_shared_experts`` always
-    on; gate weights are scaled by ``routed_scaling``. ``moe_balance`` turns the
-    quantile balancer on, ``moe_balance_rate`` in (0, 1] blends its new bias with the
-    old one (1 = replace).
+    MLP is ``"dense"`` (hidden ``d_ff``) or ``"moe"``: every layer from ``n_dense_layers``
+    on holds ``n_experts`` experts of hidden ``moe_d_ff`` of which each token uses
+    ``moe_top_k`` (sigmoid router), plus ``n_shared_experts`` always on; gate weights are
+    scaled by ``routed_scaling``. ``moe_latent_dim`` > 0 makes it a LatentMoE (routed
+    experts run at that width between a down- and an up-projection). ``moe_balance``
+    turns the quantile balancer on, ``moe_balance_rate`` in (0, 1] blends its new bias
+    with the old one (1 = replace). ``activation`` is the GLU of every MLP: ``"swiglu"``
+    or ``"situ"`` (K3's SiTU-GLU). ``attn_res_block_size`` > 0 replaces the residual
+    stream by block Attention Residuals (0 = plain pre-norm residual).
+
+    ``loss_chunk_size`` > 0 computes the training loss over that many tokens at a time
+    without materializing the logits (:func:`~k3_model.loss.chunked_cross_entropy`);
+    ``model(x, targets=y)`` then returns None for the logits. 0 = the plain loss.
     """
 
     vocab_size: int = 256
@@ -43,17 +63,28 @@ class K3Config:
     head_dim: int | None = None
     max_seq_len: int = 256
     attention: Attention = "gqa"
+    full_attention_every: int = 4
     q_lora_rank: int = 0
     kv_lora_rank: int = 64
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
+    mla_rope: bool | None = None
+    mla_gate: bool | None = None
+    kda_heads: int | None = None
+    kda_head_dim: int | None = None
+    kda_conv_size: int = 4
+    kda_chunk_size: int = 64
+    kda_backend: KDABackend = "auto"
+    attn_res_block_size: int = 0
     mlp: MLP = "moe"
+    activation: Activation = "swiglu"
     d_ff: int = 384
     n_experts: int = 8
     moe_top_k: int = 2
     n_shared_experts: int = 1
     moe_d_ff: int = 128
+    moe_latent_dim: int = 0
     n_dense_layers: int = 1
     routed_scaling: float = 1.0
     moe_balance: bool = True
@@ -62,21 +93,35 @@ class K3Config:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    loss_chunk_size: int = 0
 
     def __post_init__(self) -> None:
         _check_types(self)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             _positive(self, name)
-        _choice(self, "attention", ("gqa", "mla"))
+        _choice(self, "attention", ("gqa", "mla", "hybrid"))
         _choice(self, "mlp", ("dense", "moe"))
+        _choice(self, "activation", ("swiglu", "situ"))
         if self.attention == "gqa":
             self._check_gqa()
         else:
             self._check_mla()
+        if self.attention == "hybrid":
+            self._check_kda()
         if self.mlp == "dense":
             _positive(self, "d_ff")
         else:
             self._check_moe()
+        if self.attn_res_block_size < 0:
+            raise ValueError(
+                f"K3Config.attn_res_block_size must be ≥ 0 (0 = plain residual), got "
+                f"{self.attn_res_block_size}"
+            )
+        if self.loss_chunk_size < 0:
+            raise ValueError(
+                f"K3Config.loss_chunk_size must be ≥ 0 (tokens per chunk of the chunked "
+                f"loss; 0 = plain loss), got {self.loss_chunk_size}"
+            )
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"K3Config.{name} must be > 0, got {getattr(self, name)!r}")
@@ -101,7 +146,7 @@ class K3Config:
         if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
             raise ValueError(
                 f"K3Config.n_kv_heads ({self.n_kv_heads}): MLA has no separate key/value "
-                "heads; leave it None (or equal to n_heads) when attention='mla'"
+                f"heads; leave it None (or equal to n_heads) when attention={self.attention!r}"
             )
         for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             _positive(self, name)
@@ -109,11 +154,36 @@ class K3Config:
             raise ValueError(
                 f"K3Config.q_lora_rank must be ≥ 0 (0 = full-rank query), got {self.q_lora_rank}"
             )
-        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+        rope = self.qk_rope_head_dim
+        if self.mla_uses_rope and (rope < 2 or rope % 2):
             raise ValueError(
-                "K3Config.qk_rope_head_dim must be even (rotary pairs) and ≥ 2, "
-                f"got {self.qk_rope_head_dim}"
+                f"K3Config.qk_rope_head_dim must be even (rotary pairs) and ≥ 2, got {rope}; "
+                "or set mla_rope=False (NoPE: the shared key slice is not rotated)"
             )
+        if not self.mla_uses_rope and rope < 1:
+            raise ValueError(
+                f"K3Config.qk_rope_head_dim must be ≥ 1 (the key slice shared by all heads), "
+                f"got {rope}"
+            )
+
+    def _check_kda(self) -> None:
+        _positive(self, "full_attention_every")
+        if self.kda_heads is not None:
+            _positive(self, "kda_heads")
+        if self.kda_head_dim is not None:
+            _positive(self, "kda_head_dim")
+        elif self.d_model % self.kda_n_heads:
+            raise ValueError(
+                f"K3Config.kda_head_dim: d_model ({self.d_model}) is not a multiple of the "
+                f"KDA heads ({self.kda_n_heads}); set kda_head_dim explicitly"
+            )
+        _positive(self, "kda_conv_size")
+        if self.kda_chunk_size not in KDA_CHUNK_SIZES:
+            raise ValueError(
+                f"K3Config.kda_chunk_size must be one of {KDA_CHUNK_SIZES}, got "
+                f"{self.kda_chunk_size!r}"
+            )
+        _choice(self, "kda_backend", ("auto", "torch", "fla"))
 
     def _check_moe(self) -> None:
         for name in ("n_experts", "moe_top_k", "moe_d_ff"):
@@ -125,6 +195,11 @@ class K3Config:
             )
         if self.n_shared_experts < 0:
             raise ValueError(f"K3Config.n_shared_experts must be ≥ 0, got {self.n_shared_experts}")
+        if self.moe_latent_dim < 0:
+            raise ValueError(
+                f"K3Config.moe_latent_dim must be ≥ 0 (0 = experts at full width), got "
+                f"{self.moe_latent_dim}"
+            )
         if not 0 <= self.n_dense_layers < self.n_layers:
             raise ValueError(
                 f"K3Config.n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers) "
@@ -142,6 +217,42 @@ class K3Config:
 
     # --- derived values ----------------------------------------------------------------
 
+    def layer_types(self) -> list[LayerType]:
+        """Each layer's token mixer: ``"gqa"``/``"mla"`` everywhere, or for ``"hybrid"``
+        ``"mla"`` at 0-based layers ``full_attention_every − 1, 2·full_attention_every − 1,
+        …`` and at the last layer, ``"kda"`` elsewhere."""
+        if self.attention != "hybrid":
+            return [self.attention] * self.n_layers
+        every, last = self.full_attention_every, self.n_layers - 1
+        return ["mla" if (i + 1) % every == 0 or i == last else "kda"
+                for i in range(self.n_layers)]
+
+    @property
+    def mla_uses_rope(self) -> bool:
+        """Whether MLA rotates its shared key slice (``mla_rope``; None: not in hybrid)."""
+        return self.attention != "hybrid" if self.mla_rope is None else self.mla_rope
+
+    @property
+    def mla_gated(self) -> bool:
+        """Whether MLA has the sigmoid output gate (``mla_gate``; None: in hybrid only)."""
+        return self.attention == "hybrid" if self.mla_gate is None else self.mla_gate
+
+    @property
+    def uses_rope(self) -> bool:
+        """Whether any layer needs rotary tables."""
+        return self.attention == "gqa" or self.mla_uses_rope
+
+    @property
+    def kda_n_heads(self) -> int:
+        """KDA heads: ``kda_heads``, or ``n_heads`` when None."""
+        return self.n_heads if self.kda_heads is None else self.kda_heads
+
+    @property
+    def kda_dim(self) -> int:
+        """KDA head dim (K = V): ``kda_head_dim``, or ``d_model // kda_n_heads`` when None."""
+        return self.kda_head_dim if self.kda_head_dim is not None else (
+            self.d_model // self.kda_n_heads)
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads (GQA); ``n_heads`` when ``n_kv_heads`` is None and for MLA."""
@@ -154,20 +265,25 @@ class K3Config:
 
     @property
     def qk_dim(self) -> int:
-        """Per-head query/key dim (the softmax scale is ``qk_dim ** -0.5``)."""
-        if self.attention == "mla":
-            return self.qk_nope_head_dim + self.qk_rope_head_dim
-        return self.attn_head_dim
+        """Per-head query/key dim of the softmax layers (scale ``qk_dim ** -0.5``)."""
+        if self.attention == "gqa":
+            return self.attn_head_dim
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def value_dim(self) -> int:
-        """Per-head value dim."""
-        return self.v_head_dim if self.attention == "mla" else self.attn_head_dim
+        """Per-head value dim of the softmax layers."""
+        return self.attn_head_dim if self.attention == "gqa" else self.v_head_dim
 
     @property
     def rope_dim(self) -> int:
         """Dims that carry rotary position: the whole head (GQA) or the rope part (MLA)."""
-        return self.qk_rope_head_dim if self.attention == "mla" else self.attn_head_dim
+        return self.attn_head_dim if self.attention == "gqa" else self.qk_rope_head_dim
+
+    @property
+    def moe_width(self) -> int:
+        """Width the routed experts run at: ``moe_latent_dim``, or ``d_model`` when 0."""
+        return self.moe_latent_dim or self.d_model
 
     def is_moe_layer(self, index: int) -> bool:
         """True when layer ``index`` has a MoE MLP (``mlp == "moe"`` and past the dense ones)."""
@@ -206,8 +322,9 @@ class K3Config:
         return dataclasses.replace(self, **changes)
 
 
-_INT_OR_NONE = ("n_kv_heads", "head_dim")
-_STRINGS = ("attention", "mlp")
+_INT_OR_NONE = ("n_kv_heads", "head_dim", "kda_heads", "kda_head_dim")
+_BOOL_OR_NONE = ("mla_rope", "mla_gate")
+_STRINGS = ("attention", "mlp", "activation", "kda_backend")
 
 
 def _check_types(config: K3Config) -> None:
@@ -218,6 +335,8 @@ def _check_types(config: K3Config) -> None:
         if field.name in _INT_OR_NONE:
             ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
             want = "an int or None"
+        elif field.name in _BOOL_OR_NONE:
+            ok, want = value is None or isinstance(value, bool), "True, False or None"
         elif field.name in _STRINGS:
             ok, want = isinstance(value, str), "a string"
         elif isinstance(default, bool):

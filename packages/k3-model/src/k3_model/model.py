@@ -1,49 +1,122 @@
-"""K3Model: a pre-norm decoder of attention + (dense or MoE) SwiGLU blocks.
+"""K3Model: a Kimi-K3-shaped decoder (hybrid KDA + Gated MLA, LatentMoE, AttnRes).
 
-``forward(x, targets=None) -> (logits, loss)``, loss the mean token cross-entropy. No
-state survives a call (no KV cache, no recurrence), which is what the trainer assumes.
-The parameter names are chosen so that ``k3_optim.build_parameter_groups`` routes them
-without configuration: ``embed`` (nn.Embedding) and ``lm_head`` to AdamW, 1-D norm
-weights to AdamW without decay, 2-D projections and the 3-D expert stacks to Muon, with
-:meth:`K3Model.muon_per_head` giving the per-head row blocks of Q/K/V.
+``forward(x, targets=None) -> (logits, loss)``, loss the mean token cross-entropy
+(chunked, and logits None, when ``config.loss_chunk_size > 0``: :mod:`k3_model.loss`). No
+state survives a call (no KV cache, every KDA recurrence starts from zero), which is
+what the trainer assumes. Layer l mixes tokens with the kind ``config.layer_types()[l]``
+names (KDA, Gated MLA or GQA) and has a dense GLU MLP (the first ``n_dense_layers``) or
+a MoE. The residual stream is plain pre-norm, or block Attention Residuals
+(:mod:`k3_model.attn_res`) when ``attn_res_block_size > 0``. Either way one
+:class:`Block` call is one layer, the unit that activation checkpointing recomputes
+(:meth:`K3Model.set_activation_checkpointing`, :mod:`k3_model.checkpointing`).
+
+The optimizer routing is declared, not guessed: :meth:`K3Model.parameter_groups`
+(see :mod:`k3_model.routing`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import GQAttention, MLAttention, build_attention
+from .attn_res import ResidualRead, inverse_rms
+from .checkpointing import CheckpointMode, check_mode, checkpointed
 from .config import K3Config
-from .mlp import SwiGLU
+from .kda import KimiDeltaAttention
+from .loss import chunked_cross_entropy
+from .mlp import GatedMLP
 from .moe import MoE, RoutingStats
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
+from .routing import parameter_groups
 
 
 class Block(nn.Module):
-    """``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``."""
+    """One layer: ``attn(attn_norm(·))`` then ``mlp(mlp_norm(·))``; with Attention
+    Residuals also the two reads ``attn_res`` and ``mlp_res`` that feed them."""
 
     def __init__(self, config: K3Config, index: int):
         super().__init__()
+        self.kind = config.layer_types()[index]
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn: GQAttention | MLAttention = build_attention(config)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp: MoE | SwiGLU = (
-            MoE(config) if config.is_moe_layer(index) else SwiGLU(config.d_model, config.d_ff)
+        self.attn: GQAttention | MLAttention | KimiDeltaAttention = build_attention(
+            config, self.kind
         )
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp: MoE | GatedMLP = (
+            MoE(config) if config.is_moe_layer(index)
+            else GatedMLP(config.d_model, config.d_ff, config.activation)
+        )
+        if config.attn_res_block_size:
+            # Layer 0's attention reads the embedding alone (nothing committed yet).
+            self.attn_res = ResidualRead(config.d_model, config.norm_eps) if index else None
+            self.mlp_res = ResidualRead(config.d_model, config.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        out: Tensor = x + self.mlp(self.mlp_norm(x))
+    def mix(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The token mixer's output for the layer input ``x`` (pre-norm applied here)."""
+        h = self.attn_norm(x)
+        if isinstance(self.attn, KimiDeltaAttention):
+            out: Tensor = self.attn(h)
+        elif rope is None:
+            out = self.attn(h)  # NoPE MLA
+        else:
+            out = self.attn(h, *rope)
         return out
+
+    def feed(self, x: Tensor) -> Tensor:
+        """The MLP's output for ``x`` (pre-norm applied here)."""
+        out: Tensor = self.mlp(self.mlp_norm(x))
+        return out
+
+    def forward(
+        self,
+        x: Tensor | None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        blocks: list[Tensor] | None = None,
+        block_inv_rms: list[Tensor] | None = None,
+    ) -> Tensor:
+        """The layer's output residual state.
+
+        Plain pre-norm residual (``blocks`` None): ``x + mix(x)``, then ``+ feed(·)``.
+        Attention Residuals: ``blocks``/``block_inv_rms`` are the committed block sums and
+        their :func:`~k3_model.attn_res.inverse_rms`, ``x`` the partial sum of the current
+        block (None right after a commit); returns the new partial. One call is one
+        layer, the unit :meth:`K3Model.set_activation_checkpointing` recomputes.
+        """
+        if blocks is None:
+            assert x is not None
+            x = x + self.mix(x, rope)
+            return x + self.feed(x)
+        assert block_inv_rms is not None
+        out = self.mix(_read(self.attn_res, blocks, block_inv_rms, x), rope)
+        partial = out if x is None else x + out
+        return partial + self.feed(_read(self.mlp_res, blocks, block_inv_rms, partial))
+
+
+def _read(
+    reader: ResidualRead | None, blocks: list[Tensor], inv_rms: list[Tensor],
+    partial: Tensor | None,
+) -> Tensor:
+    """What ``reader`` sees: the softmax mix of the committed blocks and the partial (the
+    embedding itself for layer 0's attention, the only read with a single source)."""
+    if partial is None and len(blocks) == 1:
+        return blocks[0]
+    if reader is None:
+        raise ValueError("Attention Residuals: a read over several sources needs a reader")
+    if partial is None:
+        mixed: Tensor = reader(blocks, inv_rms)
+    else:
+        mixed = reader([*blocks, partial], [*inv_rms, inverse_rms(partial, reader.norm.eps)])
+    return mixed
 
 
 class K3Model(nn.Module):
-    """The reference K3-style decoder built from a validated :class:`K3Config`."""
+    """The reference K3 decoder built from a validated :class:`K3Config`."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -51,36 +124,64 @@ class K3Model(nn.Module):
             raise TypeError(f"K3Model needs a K3Config, got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.rotary = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta)
+        self.rotary = (
+            RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta)
+            if config.uses_rope else None
+        )
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.final_res = (
+            ResidualRead(config.d_model, config.norm_eps) if config.attn_res_block_size else None
+        )
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self._checkpointing: CheckpointMode = "none"
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; residual output projections (``o_proj``, every
-        ``w_down``) shrunk by ``1/√(2·n_layers)`` so the residual stream's variance does
-        not grow with depth (GPT-2); norms at one; balancer buffers at zero."""
+        """Normal(0, init_std) matrices; residual output projections (``o_proj``, every
+        ``w_down``, the LatentMoE ``up_proj``) shrunk by ``1/√(2·n_layers)`` so the
+        residual stream's variance does not grow with depth (GPT-2); norm gains at one;
+        balancer buffers at zero. Parameters with a designed init keep it: KDA's
+        ``A_log``, ``dt_bias``, convolutions and output norm (the layer's own
+        ``reset_parameters``) and the Attention-Residuals pseudo-queries (zero)."""
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if p.ndim == 1:
                 p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "w_down.weight", "experts.w_down")):
+            elif name.endswith(("o_proj.weight", "w_down.weight", "experts.w_down",
+                                "up_proj.weight")):
                 p.normal_(0.0, out_std)
             else:
                 p.normal_(0.0, std)
+        for module in self.modules():
+            if isinstance(module, KimiDeltaAttention | ResidualRead):
+                module.reset_parameters()
         for name, buffer in self.named_buffers():
             if name.endswith(("balancer.bias", "balancer.load", "balancer.updates")):
                 buffer.zero_()
 
-    def forward(self, x: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Logits ``(B, T, vocab)`` for token ids ``x`` ``(B, T)``, and the mean token
-        cross-entropy against ``targets`` ``(B, T)`` (None without targets; target
-        ``-100`` is ignored). The loss is computed in fp32 under autocast too."""
+    @overload
+    def forward(self, x: Tensor, targets: None = None) -> tuple[Tensor, None]: ...
+
+    @overload
+    def forward(self, x: Tensor, targets: Tensor) -> tuple[Tensor | None, Tensor]: ...
+
+    def forward(
+        self, x: Tensor, targets: Tensor | None = None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``(logits, loss)`` for token ids ``x`` ``(B, T)``.
+
+        Without ``targets``: logits ``(B, T, vocab)`` and None. With ``targets`` ``(B,
+        T)``: the mean token cross-entropy (fp32 under autocast too; target ``-100`` is
+        ignored) and the logits, **except with** ``config.loss_chunk_size > 0``: then the
+        loss is computed chunk by chunk (:func:`~k3_model.loss.chunked_cross_entropy`)
+        precisely so that the logits never exist, and **the logits returned are None**.
+        Callers that need logits (sampling, custom evaluation) call ``model(x)``.
+        """
         if x.ndim != 2:
             raise ValueError(
                 f"K3Model: x must be (batch, seq) token ids, got shape {tuple(x.shape)}"
@@ -91,17 +192,71 @@ class K3Model(nn.Module):
                 f"K3Model: sequence length {t} exceeds K3Config.max_seq_len "
                 f"({self.config.max_seq_len}); raise max_seq_len or shorten the batch"
             )
-        cos, sin = self.rotary(t)
+        rope = self.rotary(t) if self.rotary is not None else None
         h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        logits: Tensor = self.lm_head(self.norm(h))
+        if self.final_res is None:
+            for layer in self.layers:
+                h = self._run_layer(layer, h, rope)
+        else:
+            h = self._attn_res_forward(h, rope)
+        h = self.norm(h)
         if targets is None:
-            return logits, None
+            return self.lm_head(h), None
+        if self.config.loss_chunk_size:
+            return None, chunked_cross_entropy(
+                h, self.lm_head.weight, targets, self.config.loss_chunk_size)
+        logits: Tensor = self.lm_head(h)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
+    def _run_layer(self, layer: nn.Module, *args: Any) -> Tensor:
+        """``layer(*args)``, under activation checkpointing when it is on and autograd
+        records (an eval or ``no_grad`` forward has nothing to save)."""
+        if self._checkpointing == "block" and torch.is_grad_enabled():
+            return checkpointed(layer, *args)
+        out: Tensor = layer(*args)
+        return out
+
+    def _attn_res_forward(self, h: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """Block Attention Residuals (see :mod:`k3_model.attn_res`); block 0 = ``h``.
+
+        The partial sum is committed at each block start *before* the layer runs (its
+        attention read sees the same sources either way), so every layer is one call
+        with the committed blocks as plain inputs: that call is the checkpointed unit.
+        """
+        size, eps = self.config.attn_res_block_size, self.config.norm_eps
+        blocks: list[Tensor] = []
+        inv_rms: list[Tensor] = []
+        partial: Tensor | None = h
+        for index, layer in enumerate(self.layers):
+            if index % size == 0:
+                assert partial is not None
+                blocks.append(partial)
+                inv_rms.append(inverse_rms(partial, eps))
+                partial = None
+            partial = self._run_layer(layer, partial, rope, list(blocks), list(inv_rms))
+        assert self.final_res is not None and partial is not None
+        return _read(self.final_res, blocks, inv_rms, partial)
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """``"block"``: recompute each decoder layer's activations in the backward instead
+        of keeping them (exactly: bitwise the same losses, gradients and balancer state,
+        see :mod:`k3_model.checkpointing`); ``"none"``: keep them. A runtime setting, not
+        part of the state dict or the config, so it may change between resumes."""
+        self._checkpointing = check_mode(mode)
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """The current activation-checkpointing mode (``"none"`` or ``"block"``)."""
+        return self._checkpointing
+
     # --- seams for the trainer -----------------------------------------------------------
+
+    def parameter_groups(
+        self, lr: float | None = None, weight_decay: float | None = None
+    ) -> list[dict[str, Any]]:
+        """MuonAdamW param groups, routed explicitly by role (see :mod:`k3_model.routing`)."""
+        return parameter_groups(self, lr=lr, weight_decay=weight_decay)
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE layers by module name (``layers.<i>.mlp``), in depth order."""
@@ -120,13 +275,15 @@ class K3Model(nn.Module):
     def muon_per_head(self) -> dict[str, int]:
         """fnmatch pattern → row blocks, for ``build_parameter_groups(per_head=...)``.
 
-        GQA: ``q_proj`` in ``n_heads`` blocks, ``k_proj``/``v_proj`` in ``n_kv_heads``.
-        MLA: the query projection (``q_proj`` or ``q_up``) and ``kv_up`` in ``n_heads``.
-        Patterns start with ``*`` so they also match under a wrapper's name prefix.
+        One pattern per layer and weight (KDA and MLA layers may have different head
+        counts): KDA ``q_proj``/``k_proj``/``v_proj``; MLA the query (``q_proj`` or
+        ``q_up``) and ``kv_up``; GQA ``q_proj`` in ``n_heads`` blocks and ``k_proj``/
+        ``v_proj`` in ``n_kv_heads``. Patterns start with ``*`` so they also match under
+        a wrapper's name prefix. :meth:`parameter_groups` already applies them.
         """
         patterns: dict[str, int] = {}
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
             for name, heads in layer.attn.muon_heads().items():
-                patterns[f"*.attn.{name}"] = heads
+                patterns[f"*layers.{index}.attn.{name}"] = heads
         return patterns

@@ -1,12 +1,17 @@
-"""Mixture-of-experts MLP: fp32 sigmoid router, quantile-balanced top-k, SwiGLU experts.
+"""Mixture-of-experts MLP (LatentMoE): fp32 sigmoid router, quantile-balanced top-k.
 
-A token's output is ``Σ_{e ∈ top-k} g_e · expert_e(x) + shared(x)``. The router runs in
-fp32 with autocast disabled (its scores decide discrete choices, which bf16 rounding
-would flip); the :class:`~k3_model.QuantileBalancer` picks the experts on biased scores;
-the gates ``g`` are the *unbiased* scores of the chosen experts normalised to sum 1
-(times ``routed_scaling``), as in DeepSeek-V3 / Kimi K2 with sigmoid routing.
+A token's output is ``up(norm(Σ_{e ∈ top-k} g_e · expert_e(down(x)))) + shared(x)``: the
+router reads the full-width ``x``, the routed experts run at ``moe_latent_dim`` between a
+down-projection and an RMSNorm + up-projection (Kimi K3's LatentMoE; with
+``moe_latent_dim = 0`` they run at full width with no projections), and the shared
+experts are full-width GLU MLPs. The router runs in fp32 with autocast disabled (its
+scores decide discrete choices, which bf16 rounding would flip); the
+:class:`~k3_model.QuantileBalancer` picks the experts on biased scores; the gates ``g``
+are the *unbiased* scores of the chosen experts normalised to sum 1 (times
+``routed_scaling``), as in DeepSeek-V3 / Kimi K2 with sigmoid routing.
 
-Routing statistics for diagnostics are accumulated on device only while
+No host sync in the forward: group sizes, balancer load and statistics stay on the
+device. Routing statistics for diagnostics are accumulated only while
 ``collect_stats`` is True and the layer is training; :meth:`MoE.pop_stats` reads and
 clears them. With collection off they cost one attribute check per forward.
 """
@@ -21,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .balancer import QuantileBalancer
+from .balancer import QuantileBalancer, expert_counts
+from .checkpointing import recomputing
 from .config import K3Config
-from .mlp import SwiGLU
+from .mlp import GatedMLP, glu
+from .norm import RMSNorm
 
 
 class Router(nn.Module):
@@ -41,19 +48,46 @@ class Router(nn.Module):
         return f"d_model={self.weight.shape[1]}, n_experts={self.weight.shape[0]}, fp32"
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: ``_grouped_mm``'s
+    backward rejects expanded gradients (e.g. from ``.sum()``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
+    """Rows of ``x`` grouped by expert (group e ends at ``ends[e]``) times ``weight[e]ᵀ``."""
+    out: Tensor = _ContiguousGrad.apply(  # type: ignore[no-untyped-call]
+        torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    )
+    return out
+
+
 class Experts(nn.Module):
-    """``n_experts`` SwiGLU experts stored as 3-D stacks ``(E, out, in)``.
+    """``n_experts`` GLU experts stored as 3-D stacks ``(E, out, in)``.
 
     Stacks (not a ModuleList) so an optimizer sees each weight kind as one batch of
     matrices (k3-optim orthogonalizes them together). Tokens are grouped by expert with
-    one sort and a loop over experts; the per-expert counts cost one host sync. Outputs
-    are gathered back by the inverse permutation, not a scatter-add, so the result is
+    one sort; the groups run as one grouped GEMM (``torch._grouped_mm``) with group ends
+    found on the device, so no host sync. Where that kernel does not apply (fp64, rows
+    not a multiple of 16 bytes, CUDA without bf16 sm90, fp32 under torch.compile, or
+    ``use_grouped_mm = False``)
+    a per-expert loop runs instead, which syncs once for the group sizes. Outputs are
+    gathered back by the inverse permutation, not a scatter-add, so the result is
     deterministic on GPUs too.
     """
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int):
+    use_grouped_mm: bool = True  # False forces the per-expert loop (tests, debugging)
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int, activation: str = "swiglu"):
         super().__init__()
-        self.n_experts = n_experts
+        self.n_experts, self.activation = n_experts, activation
         # N(0, 0.02) when used alone; K3Model.reset_parameters applies the config's init.
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, d_model).normal_(0.0, 0.02))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, d_model).normal_(0.0, 0.02))
@@ -61,25 +95,62 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         e, hidden, d = self.w_gate.shape
-        return f"n_experts={e}, d_model={d}, hidden={hidden}"
+        return f"n_experts={e}, d_model={d}, hidden={hidden}, activation={self.activation!r}"
+
+    def grouped_mm_applies(self, x: Tensor) -> bool:
+        """Whether the grouped GEMM kernel serves input ``x`` (dtype, device, row strides)."""
+        if not self.use_grouped_mm or not hasattr(torch, "_grouped_mm"):
+            return False
+        dtype = _compute_dtype(x)
+        if x.device.type == "cuda":
+            if dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+                return False
+        elif x.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return False  # torch.compile's shape function accepts bf16 only (torch 2.13)
+        _, hidden, d = self.w_gate.shape
+        return all(n * dtype.itemsize % 16 == 0 for n in (hidden, d))
 
     def forward(self, x: Tensor, experts: Tensor, gates: Tensor) -> Tensor:
         """``x`` ``(T, d)``; ``experts``/``gates`` ``(T, k)`` → ``Σ_k gate · expert(x)``."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        parts = []
-        for e, xe in enumerate(torch.split(x[token], counts)):
-            h = F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e])
-            parts.append(F.linear(h, self.w_down[e]))
-        y = torch.cat(parts) * gates.reshape(-1)[order].unsqueeze(1).to(parts[0].dtype)
+        xs = x[order // k]
+        if self.grouped_mm_applies(x):
+            y = self._grouped(xs, flat[order])
+        else:
+            y = self._looped(xs, torch.bincount(flat, minlength=self.n_experts).tolist())
+        y = y * gates.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         # Undo the sort (a permutation: no scatter-add, so deterministic on every device)
         # and sum each token's k expert outputs.
         unsorted = torch.empty_like(y)
         unsorted[order] = y
         return unsorted.view(x.shape[0], k, -1).sum(dim=1)
+
+    def _grouped(self, xs: Tensor, sorted_experts: Tensor) -> Tensor:
+        dtype = _compute_dtype(xs)
+        bounds = torch.arange(1, self.n_experts + 1, device=xs.device, dtype=sorted_experts.dtype)
+        ends = torch.searchsorted(sorted_experts, bounds).to(torch.int32)
+        xs = xs.to(dtype)
+        gate = _grouped_linear(xs, self.w_gate.to(dtype), ends)
+        up = _grouped_linear(xs, self.w_up.to(dtype), ends)
+        return _grouped_linear(glu(gate, up, self.activation), self.w_down.to(dtype), ends)
+
+    def _looped(self, xs: Tensor, counts: list[int]) -> Tensor:
+        parts = []
+        for e, xe in enumerate(torch.split(xs, counts)):
+            h = glu(F.linear(xe, self.w_gate[e]), F.linear(xe, self.w_up[e]), self.activation)
+            parts.append(F.linear(h, self.w_down[e]))
+        return torch.cat(parts)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: autocast's when it is on, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 @dataclass(frozen=True)
@@ -118,7 +189,8 @@ class RoutingStats:
 
 
 class MoE(nn.Module):
-    """A MoE MLP layer: ``router``, ``balancer``, ``experts`` and optional ``shared``.
+    """A (latent) MoE MLP layer: ``router``, ``balancer``, ``experts``, optional
+    ``down_proj``/``latent_norm``/``up_proj`` (LatentMoE) and ``shared``.
 
     Set ``collect_stats = True`` to accumulate routing statistics over training forwards
     (no host sync); :meth:`pop_stats` returns them and starts a new window.
@@ -130,16 +202,21 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = config.moe_top_k
         self.routed_scaling = config.routed_scaling
-        self.router = Router(config.d_model, config.n_experts)
+        d, latent = config.d_model, config.moe_latent_dim
+        self.router = Router(d, config.n_experts)
         self.balancer = QuantileBalancer(
             config.n_experts,
             config.moe_top_k,
             enabled=config.moe_balance,
             rate=config.moe_balance_rate,
         )
-        self.experts = Experts(config.n_experts, config.d_model, config.moe_d_ff)
+        self.down_proj = nn.Linear(d, latent, bias=False) if latent else None
+        self.experts = Experts(config.n_experts, config.moe_width, config.moe_d_ff,
+                               config.activation)
+        self.latent_norm = RMSNorm(latent, config.norm_eps) if latent else None
+        self.up_proj = nn.Linear(latent, d, bias=False) if latent else None
         shared = config.n_shared_experts * config.moe_d_ff
-        self.shared = SwiGLU(config.d_model, shared) if shared else None
+        self.shared = GatedMLP(d, shared, config.activation) if shared else None
         self._stat_tokens: Tensor | None = None
         self._stat_forwards = 0
 
@@ -158,16 +235,20 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         experts, gates = self.route(x)
-        if self.collect_stats and self.training:
+        if self.collect_stats and self.training and not recomputing():
             self._record(experts)
-        out: Tensor = self.experts(x, experts, gates)
+        if self.down_proj is not None:
+            routed = self.experts(self.down_proj(x), experts, gates)
+            out: Tensor = self.up_proj(self.latent_norm(routed))  # type: ignore[misc]
+        else:
+            out = self.experts(x, experts, gates)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
 
     @torch.no_grad()
     def _record(self, experts: Tensor) -> None:
-        counts = torch.bincount(experts.reshape(-1), minlength=self.experts.n_experts)
+        counts = expert_counts(experts.reshape(-1), self.experts.n_experts)
         self._stat_tokens = counts if self._stat_tokens is None else self._stat_tokens + counts
         self._stat_forwards += 1
 

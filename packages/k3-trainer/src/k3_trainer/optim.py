@@ -2,27 +2,49 @@
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
-from k3_optim import MuonAdamW, build_parameter_groups
+from k3_optim import MuonAdamW, build_parameter_groups, check_parameter_groups
 
 from .config import TrainConfig
 
+logger = logging.getLogger(__name__)
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> MuonAdamW:
+
+def build_optimizer(model: nn.Module, config: TrainConfig, *,
+                    distributed: bool | None = None) -> MuonAdamW:
     """Nesterov Muon for hidden matrices, AdamW for the rest, in one optimizer.
 
     Every group starts at ``peak_lr``; the loop assigns the scheduled LR to all groups
     before each attempted update (``match_rms_adamw`` makes one LR right for both halves).
-    A model may name per-head Q/K/V weights with ``muon_per_head() -> {pattern: heads}``.
+    A model that declares its groups (``parameter_groups(lr=, weight_decay=) -> [dict]``,
+    as ``k3_model.K3Model`` does) is taken at its word, after checking that every
+    trainable parameter is in exactly one group. Any other model gets
+    ``k3_optim.build_parameter_groups``' name/shape guess, which logs what it decided;
+    it may name per-head Q/K/V weights with ``muon_per_head() -> {pattern: heads}``.
+
+    ``distributed`` is MuonAdamW's: None detects FSDP2's DTensor parameters (build the
+    optimizer after ``fully_shard``); True for DDP's replicated parameters, so each
+    matrix is orthogonalized by one rank instead of by all.
     """
-    per_head_fn = getattr(model, "muon_per_head", None)
-    groups = build_parameter_groups(
-        model,
-        lr=config.peak_lr,
-        weight_decay=config.weight_decay,
-        per_head=per_head_fn() if callable(per_head_fn) else None,
-    )
+    declared = getattr(model, "parameter_groups", None)
+    if callable(declared):
+        groups = declared(lr=config.peak_lr, weight_decay=config.weight_decay)
+        check_parameter_groups(model, groups)
+    else:
+        logger.info(
+            "%s declares no parameter_groups(); routing its parameters by name and shape",
+            type(model).__name__,
+        )
+        per_head_fn = getattr(model, "muon_per_head", None)
+        groups = build_parameter_groups(
+            model,
+            lr=config.peak_lr,
+            weight_decay=config.weight_decay,
+            per_head=per_head_fn() if callable(per_head_fn) else None,
+        )
     return MuonAdamW(
         groups,
         lr=config.peak_lr,
@@ -35,4 +57,5 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> MuonAdamW:
         update_scale=config.muon_update_scale,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
+        **({} if distributed is None else {"distributed": distributed}),
     )

@@ -1,0 +1,329 @@
+"""Kimi Delta Attention (KDA): the gated delta-rule operator and the K3 layer around it.
+
+The operator, per head with state ``S ∈ R^{K×V}``, for each step t::
+
+    S ← Diag(exp g_t) · S
+    S ← S + β_t k_t (v_t − k_tᵀ S)ᵀ
+    o_t = scale · q_tᵀ S
+
+``recurrent_kda`` runs it step by step (the reference); ``chunk_kda`` computes the same
+thing chunk by chunk: the within-chunk interactions as a few batched matmuls and one unit
+lower-triangular solve per chunk (the WY/UT transform), and only the chunk-to-chunk state
+pass as a Python loop. Both compute in fp32 (fp64 when an input is fp64) whatever autocast
+is active, so the triangular solve never sees bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .norm import RMSNorm
+
+CHUNK_SIZES = (16, 32, 64)
+BACKENDS = ("auto", "torch", "fla")
+DECAY_LOWER_BOUND = -5.0  # K3's g = −5·sigmoid(·): every step keeps at least e⁻⁵ of the state
+# Sub-block length for the pairwise decay exp(G_t − G_j): within a sub-block one factor
+# reaches exp(|g|·(SUB − 1)), e⁷⁵ at K3's bound, which fp32 holds (up to |g| ≈ 5.9 per
+# step); across sub-blocks every factor is ≤ 1.
+SUB = 16
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+           initial_state: Tensor | None) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"k and g must have q's shape {tuple(q.shape)}, "
+                         f"got k {tuple(k.shape)} and g {tuple(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with q's B, T, H {tuple(q.shape[:3])}, "
+                         f"got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    b, _, h, dk = q.shape
+    expected = (b, h, dk, v.shape[-1])
+    if initial_state is not None and tuple(initial_state.shape) != expected:
+        raise ValueError(f"initial_state must be [B, H, K, V] = {expected}, "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """fp64 if any input is fp64, else fp32: never less than fp32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) \
+        else torch.float32
+
+
+def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+                  scale: float | None = None, initial_state: Tensor | None = None,
+                  output_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The KDA recurrence, one step at a time (the reference ``chunk_kda`` is tested against).
+
+    Shapes: ``q, k, g`` [B, T, H, K] (q, k L2-normalized; g the log decay, ≤ 0), ``v``
+    [B, T, H, V], ``beta`` [B, T, H] in (0, 1), states [B, H, K, V]. ``scale=None`` means
+    ``K ** -0.5``. Returns ``o`` [B, T, H, V] in v's dtype and the final state (in the
+    compute dtype, fp32 or fp64) when ``output_final_state``.
+    """
+    _check(q, k, v, g, beta, initial_state)
+    b, t, h, dk = q.shape
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    scale = dk**-0.5 if scale is None else scale
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+        state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None \
+            else initial_state.to(dtype)
+        decay = g.exp()
+        outputs = []
+        for i in range(t):
+            state = decay[:, i, :, :, None] * state
+            k_i = k[:, i]
+            error = v[:, i] - torch.einsum("bhk,bhkv->bhv", k_i, state)
+            state = state + (beta[:, i, :, None] * k_i)[..., None] * error[..., None, :]
+            outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, state))
+        o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
+    return o.to(v.dtype), (state if output_final_state else None)
+
+
+def _chunked(x: Tensor, chunk: int, dtype: torch.dtype) -> Tensor:
+    """[B, T, H, ...] → contiguous [B·H, N, C, ...] in ``dtype``, zero-padded to whole chunks.
+
+    Zero padding is inert: k = 0 writes nothing, g = 0 decays nothing, q = 0 reads nothing.
+    """
+    b, t, h = x.shape[:3]
+    x = x.to(dtype).transpose(1, 2)  # [B, H, T, ...]
+    pad = -t % chunk
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
+    return x.reshape(b * h, (t + pad) // chunk, chunk, *x.shape[3:]).contiguous()
+
+
+def _intra_chunk(q_in: Tensor, k_in: Tensor, k_hat: Tensor, ref: Tensor) -> tuple[Tensor, Tensor]:
+    """Within-chunk scores ``Σ_d x_td k_jd e^{G_td − G_jd}`` for x = q (j ≤ t) and x = βk (j < t).
+
+    The decay is split at the first step r(t) of t's sub-block and at the first step r(j)
+    of j's: ``e^{G_t − G_r(t)} · e^{G_r(t) − G_r(j)} · e^{G_r(j) − G_j}``. Inputs carry the
+    outer factors (``q_in``, ``k_in``: [BH, N, blocks, SUB, K], rows scaled by the first,
+    ``k_hat`` by the last); the middle one is ≤ 1, as only sub-blocks at or before t's are
+    formed, so nothing overflows and no exp(−G) is ever formed. Returns ``(Aqk, Akk)``,
+    [BH, N, C, C], zero above (Aqk) or on and above (Akk) the diagonal.
+    """
+    bh, n, blocks, sub, dk = q_in.shape
+    c = blocks * sub
+    aqk_rows, akk_rows = [], []
+    for i in range(blocks):  # row sub-block i against column sub-blocks 0..i
+        across = torch.exp(ref[:, :, i:i + 1] - ref[:, :, :i + 1])
+        cols = (k_hat[:, :, :i + 1] * across).view(bh, n, (i + 1) * sub, dk).transpose(-1, -2)
+        pad = (0, c - (i + 1) * sub)
+        aqk_rows.append(F.pad(torch.matmul(q_in[:, :, i], cols), pad))
+        akk_rows.append(F.pad(torch.matmul(k_in[:, :, i], cols), pad))
+    aqk, akk = torch.cat(aqk_rows, dim=2), torch.cat(akk_rows, dim=2)
+    idx = torch.arange(c, device=ref.device)
+    # In place: cat keeps nothing for backward.
+    return aqk.masked_fill_(idx[:, None] < idx[None, :], 0.0), \
+        akk.masked_fill_(idx[:, None] <= idx[None, :], 0.0)
+
+
+def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+              scale: float | None = None, initial_state: Tensor | None = None,
+              output_final_state: bool = False,
+              chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
+    """``recurrent_kda``'s result, chunk by chunk (same arguments, plus ``chunk_size``).
+
+    Per chunk with cumulative decay G: ``(I + Akk) [u | w] = [β v | β e^G k]`` (one unit
+    lower-triangular solve, the UT transform), then sequentially over chunks
+    ``v' = u − w S``, ``S ← e^{G_last} ⊙ S + (e^{G_last − G} ⊙ k)ᵀ v'``; finally
+    ``o = scale · ((e^G ⊙ q) S_start + Aqk v')`` for all chunks at once. Any T (padded
+    internally); ``chunk_size`` in {16, 32, 64}. In fp32 every g must stay above ≈ −5.9
+    per step (K3's gate keeps it above −5); fp64 allows ≈ −47.
+    """
+    _check(q, k, v, g, beta, initial_state)
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    scale = dk**-0.5 if scale is None else scale
+    state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None \
+        else initial_state.to(dtype).reshape(b * h, dk, dv)
+    if t == 0:
+        return v.new_zeros(v.shape), (state.view(b, h, dk, dv) if output_final_state else None)
+    with torch.autocast(q.device.type, enabled=False):
+        qc, kc, vc, gc = (_chunked(x, chunk_size, dtype) for x in (q, k, v, g))
+        betac = _chunked(beta, chunk_size, dtype).unsqueeze(-1)  # [BH, N, C, 1]
+        bh, n = qc.shape[:2]
+        sub = min(SUB, chunk_size)
+        blocks = (bh, n, chunk_size // sub, sub, dk)  # sub-block view of [BH, N, C, K]
+        gcum = gc.cumsum(dim=2).view(blocks)
+        ref = gcum[:, :, :, :1]  # G at each sub-block's first step
+        inside = torch.exp(gcum - ref)  # e^{G_t − G_r} ∈ [e^{−5·(SUB−1)}, 1]
+        k_hat = kc.view(blocks) * torch.exp(ref - gcum)  # k_j e^{G_r − G_j} ≤ e^{5·(SUB−1)}
+        aqk, akk = _intra_chunk(qc.view(blocks) * inside,
+                                kc.view(blocks) * inside * betac.view(*blocks[:-1], 1),
+                                k_hat, ref)
+        decay = (inside * ref.exp()).view_as(kc)  # e^{G_t}, a product of factors ≤ 1
+        last = gcum[:, :, -1:, -1:]  # [BH, N, 1, 1, K]
+        k_to_end = (k_hat * torch.exp(last - ref)).view_as(kc).transpose(-1, -2)
+        chunk_decay = last.exp().view(bh, n, dk, 1)
+        rhs = torch.cat([vc, kc * decay], dim=-1) * betac
+        # (I + Akk) X = rhs, posed as Xᵀ (I + Akk)ᵀ = rhsᵀ: the same solve, measured 1.4–2×
+        # faster on CPU (MKL) than the left-sided call, forward and backward; a blocked
+        # inverse built from matmuls was slower.
+        solved = torch.linalg.solve_triangular(akk.transpose(-1, -2), rhs.transpose(-1, -2),
+                                               upper=True, left=False,
+                                               unitriangular=True).transpose(-1, -2)
+        u, w = solved.split([dv, dk], dim=-1)
+
+        starts, v_new = [], []
+        # unbind, not u[:, i]: each indexing op's backward would write a full-size zero grad.
+        for u_i, w_i, d_i, k_i in zip(u.unbind(1), w.unbind(1), chunk_decay.unbind(1),
+                                      k_to_end.unbind(1)):  # the only sequential part
+            starts.append(state)
+            v_i = torch.baddbmm(u_i, w_i, state, alpha=-1.0)  # u − w S
+            v_new.append(v_i)
+            state = torch.baddbmm(d_i * state, k_i, v_i)
+        o = torch.matmul(qc * decay, torch.stack(starts, dim=1)).view(-1, chunk_size, dv)
+        o = torch.baddbmm(o, aqk.view(-1, chunk_size, chunk_size),
+                          torch.stack(v_new, dim=1).view(-1, chunk_size, dv),
+                          beta=scale, alpha=scale)
+        o = o.view(b, h, -1, dv)[:, :, :t].transpose(1, 2)
+    final = state.view(b, h, dk, dv) if output_final_state else None
+    return o.to(v.dtype), final
+
+
+def _fla_chunk_kda() -> Any:
+    """flash-linear-attention's chunked KDA kernel, imported only when asked for."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether flash-linear-attention's KDA kernel imports (checked once per process)."""
+    try:
+        _fla_chunk_kda()
+    except ImportError:
+        return False
+    return True
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x · rsqrt(Σx² + eps)`` over the last dim, in fp32, returned in x's dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """The K3 KDA layer: short-conv q/k/v, per-channel gated delta rule, gated RMSNorm out.
+
+    Every forward starts from a zero state (training: no cache leaks between batches).
+    Parameters: ``q_proj``/``k_proj``/``v_proj`` (per-head row blocks, see
+    ``muon_heads``), ``q_conv``/``k_conv``/``v_conv`` (depthwise causal, 3-D weights),
+    ``f_a``/``f_b`` (low-rank forget gate), ``b_proj`` (β), ``g_proj`` (output gate),
+    ``o_norm``, ``o_proj``, and two vectors that a model-wide normal init must skip:
+    ``A_log`` [H] (init log U(1, 16)) and ``dt_bias`` [H·K] (init 0); ``reset_parameters``
+    sets them. ``backend``: "torch" runs ``chunk_kda``; "fla" runs flash-linear-attention's
+    kernel (CUDA); "auto" picks fla for CUDA inputs when it imports, else ``chunk_kda``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, *, conv_size: int = 4,
+                 norm_eps: float = 1e-5, chunk_size: int = 64, backend: str = "auto"):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("n_heads", n_heads),
+                            ("head_dim", head_dim), ("conv_size", conv_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {norm_eps!r}")
+        if chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "fla" and not fla_available():
+            raise ImportError("backend='fla' needs flash-linear-attention "
+                              "(pip install flash-linear-attention); or use backend='auto'")
+        self.n_heads, self.head_dim, self.conv_size = n_heads, head_dim, conv_size
+        self.chunk_size, self.backend = chunk_size, backend
+        inner = n_heads * head_dim
+        self.q_proj = nn.Linear(d_model, inner, bias=False)
+        self.k_proj = nn.Linear(d_model, inner, bias=False)
+        self.v_proj = nn.Linear(d_model, inner, bias=False)
+        self.q_conv, self.k_conv, self.v_conv = (
+            nn.Conv1d(inner, inner, conv_size, groups=inner, bias=False) for _ in range(3))
+        self.f_a = nn.Linear(d_model, head_dim, bias=False)
+        self.f_b = nn.Linear(head_dim, inner, bias=False)
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(inner))
+        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.g_proj = nn.Linear(d_model, inner, bias=False)
+        self.o_norm = RMSNorm(head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(inner, d_model, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Design init for what a normal init of 2-D weights does not cover."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+            self.dt_bias.zero_()
+            self.o_norm.weight.fill_(1.0)
+        for conv in (self.q_conv, self.k_conv, self.v_conv):
+            conv.reset_parameters()
+
+    def muon_heads(self) -> dict[str, int]:
+        """Per-head Muon row blocks of this module's weights (relative names)."""
+        h = self.n_heads
+        return {"q_proj.weight": h, "k_proj.weight": h, "v_proj.weight": h}
+
+    def _short_conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
+        """Depthwise causal conv over time ([B, T, C] in and out) then SiLU."""
+        y = conv(F.pad(x.transpose(1, 2), (self.conv_size - 1, 0)))
+        return F.silu(y).transpose(1, 2)
+
+    def decay(self, x: Tensor) -> Tensor:
+        """K3's lower-bounded log decay ``−5·sigmoid(exp(A_log)·(f + dt_bias))``, fp32."""
+        b, t, _ = x.shape
+        f = self.f_b(self.f_a(x)).float() + self.dt_bias.float()
+        f = f.view(b, t, self.n_heads, self.head_dim)
+        rate = self.A_log.float().exp().view(self.n_heads, 1)
+        return DECAY_LOWER_BOUND * torch.sigmoid(rate * f)
+
+    def _use_fla(self, x: Tensor) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "fla":
+            if x.device.type != "cuda":
+                raise RuntimeError("backend='fla' runs on CUDA only; use backend='auto' "
+                                   f"or 'torch' for {x.device.type} inputs")
+            return True
+        return x.device.type == "cuda" and fla_available()
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        h, e = self.n_heads, self.head_dim
+        q = self._short_conv(self.q_conv, self.q_proj(x)).view(b, t, h, e)
+        k = self._short_conv(self.k_conv, self.k_proj(x)).view(b, t, h, e)
+        v = self._short_conv(self.v_conv, self.v_proj(x)).view(b, t, h, e)
+        q, k = l2_normalize(q), l2_normalize(k)
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        scale = e**-0.5
+        if self._use_fla(x):
+            o, _ = _fla_chunk_kda()(q, k, v, g, beta, scale=scale,
+                                    use_qk_l2norm_in_kernel=False)
+        else:
+            o, _ = chunk_kda(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size)
+        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x)).view(b, t, h, e)
+        out: Tensor = self.o_proj(o.reshape(b, t, h * e))
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.n_heads}, head_dim={self.head_dim}, conv={self.conv_size}, "
+                f"chunk={self.chunk_size}, backend={self.backend!r}")
+
+
+__all__ = ["KimiDeltaAttention", "chunk_kda", "fla_available", "l2_normalize",
+           "recurrent_kda"]
