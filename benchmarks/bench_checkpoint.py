@@ -56,9 +56,11 @@ class Decoder(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
 
 
-class Cursor:
-    def __init__(self, digest: str) -> None:
-        self.state = {"offset": 123_456, "manifest_digest": digest}
+class Holder:
+    """A loader cursor or a set of counters: plain state behind state_dict()."""
+
+    def __init__(self, **state: object) -> None:
+        self.state = state
 
     def state_dict(self) -> dict[str, object]:
         return dict(self.state)
@@ -72,21 +74,26 @@ class State:
     name: str
     model: Decoder
     optimizer: torch.optim.Optimizer
-    loaders: dict[str, Cursor]
+    loaders: dict[str, Holder]
+    counters: Holder
 
     def plain_state(self) -> dict[str, object]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def k3_kwargs(self) -> dict[str, object]:
         return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "loaders": self.loaders,
-            "train_config": {"lr": 3e-4, "max_steps": 1000, "lr_schedule": "cosine"},
-            "model_config": {"name": self.name},
-            "vocab_size": self.model.embed.num_embeddings,
-            "qk_clip_policy": {"tau": 100.0},
-            "qk_clip_geometry": {"heads": 4},
+            "components": {
+                "model": self.model,
+                "optimizer": self.optimizer,
+                "counters": self.counters,
+                "loaders": self.loaders,
+            },
+            "metadata": {
+                "train_config": {"lr": 3e-4, "max_steps": 1000, "lr_schedule": "cosine"},
+                "model_config": {"name": self.name},
+                "vocab_size": self.model.embed.num_embeddings,
+                "qk_clip": {"policy": {"tau": 100.0}, "geometry": {"heads": 4}},
+            },
         }
 
 
@@ -98,8 +105,12 @@ def build(name: str, vocab: int, width: int, layers: int) -> State:
         parameter.grad = torch.randn_like(parameter)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loaders = {"train": Cursor("a" * 64), "val": Cursor("b" * 64)}
-    return State(name, model, optimizer, loaders)
+    loaders = {
+        "train": Holder(offset=123_456, manifest_digest="a" * 64),
+        "val": Holder(offset=0, manifest_digest="b" * 64),
+    }
+    counters = Holder(step=1000, tokens_seen=10**9, skipped_updates=0)
+    return State(name, model, optimizer, loaders, counters)
 
 
 def timed(function: Callable[[], object]) -> float:
@@ -136,13 +147,12 @@ def compare(
 def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, ...]]:
     plain_path, k3_path = directory / f"{state.name}.pt", directory / f"{state.name}.k3"
     kwargs = state.k3_kwargs()
-    counters = {"step": 1000, "tokens_seen": 10**9, "skipped_updates": 0}
 
     def plain_save() -> None:
         torch.save(state.plain_state(), plain_path)
 
     def k3_save() -> None:
-        save_checkpoint(k3_path, **kwargs, counters=counters)  # type: ignore[arg-type]
+        save_checkpoint(k3_path, **kwargs)  # type: ignore[arg-type]
 
     def plain_load() -> None:
         torch.load(plain_path, weights_only=True)

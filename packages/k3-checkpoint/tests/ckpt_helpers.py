@@ -22,7 +22,9 @@ from k3_checkpoint import CompatibilityPolicy, capture_rng, read_payload
 from k3_checkpoint.payload import write_payload
 
 VOCAB = 64
-TRAINER_POLICY = CompatibilityPolicy(may_grow={"max_steps"}, step_limit="max_steps")
+TRAINER_POLICY = CompatibilityPolicy(
+    may_grow={"train_config.max_steps"}, step_limit=("train_config.max_steps", "counters.step")
+)
 
 
 class Cursor:
@@ -43,9 +45,53 @@ class Cursor:
         return {"offset": self.offset, "manifest_digest": self.manifest_digest}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("manifest_digest") != self.manifest_digest:
+            raise ValueError(
+                f"cursor of other data: {state.get('manifest_digest')!r}, this stream "
+                f"{self.manifest_digest!r}"
+            )
+        if not (type(state.get("offset")) is int and state["offset"] >= 0):
+            raise ValueError(f"offset {state.get('offset')!r} is not a non-negative integer")
         if state["offset"] > self.length:
             raise ValueError(f"offset {state['offset']} is past the end ({self.length})")
         self.offset = state["offset"]
+
+
+class Field:
+    """One attribute of a ``Run`` (its counters, its scaler state) as a checkpoint component.
+
+    ``check`` judges a saved state before it is taken, as a trainer's counters would.
+    """
+
+    def __init__(self, run: Run, name: str, check: Callable[[Any], None] | None = None) -> None:
+        self.run, self.name, self.check = run, name, check
+
+    def state_dict(self) -> Any:
+        return getattr(self.run, self.name)
+
+    def load_state_dict(self, state: Any) -> None:
+        if self.check is not None:
+            self.check(state)
+        setattr(self.run, self.name, None if state is None else dict(state))
+
+
+def check_counters(state: Any) -> None:
+    """What a trainer's counters component refuses: a missing or non-count counter."""
+    missing = [name for name in ("step", "tokens_seen", "skipped_updates") if name not in state]
+    if missing:
+        raise ValueError(f"counters lack {missing}")
+    bad = [
+        f"{name}={value!r}"
+        for name, value in state.items()
+        if value is not None and not (type(value) is int and value >= 0)
+    ]
+    if bad:
+        raise ValueError(f"counters must be non-negative integers: {', '.join(bad)}")
+
+
+def check_scaler(state: Any) -> None:
+    if state is not None and not isinstance(state, Mapping):
+        raise ValueError(f"grad_scaler must be a mapping or None, got {type(state).__name__}")
 
 
 class TinyLM(nn.Module):
@@ -120,24 +166,30 @@ class Run:
         self.counters["step"] = int(self.counters["step"] or 0) + 1
         self.counters["tokens_seen"] = int(self.counters["tokens_seen"] or 0) + 32
 
-    def save_kwargs(self) -> dict[str, Any]:
-        return {
-            **self.load_kwargs(),
-            "counters": dict(self.counters),
-            "grad_scaler": self.grad_scaler,
-        }
-
-    def load_kwargs(self) -> dict[str, Any]:
+    def components(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "optimizer": self.optimizer,
+            "counters": Field(self, "counters", check_counters),
+            "grad_scaler": Field(self, "grad_scaler", check_scaler),
             "loaders": self.loaders,
+        }
+
+    def metadata(self) -> dict[str, Any]:
+        qk_clip = None
+        if self.qk_clip_policy is not None or self.qk_clip_geometry is not None:
+            qk_clip = {"policy": self.qk_clip_policy, "geometry": self.qk_clip_geometry}
+        return {
             "train_config": self.train_config,
             "model_config": self.model_config,
             "vocab_size": self.vocab_size,
-            "qk_clip_policy": self.qk_clip_policy,
-            "qk_clip_geometry": self.qk_clip_geometry,
+            "qk_clip": qk_clip,
         }
+
+    def save_kwargs(self) -> dict[str, Any]:
+        return {"components": self.components(), "metadata": self.metadata()}
+
+    load_kwargs = save_kwargs
 
 
 def make_run(
@@ -185,11 +237,13 @@ def digest(value: Any) -> str:
 
 
 def fingerprint(run: Run) -> dict[str, str]:
-    """Hashes of the four things a rejected load must not touch."""
+    """Hashes of everything a rejected load must not touch."""
     return {
         "model": digest(run.model.state_dict()),
         "optimizer": digest(run.optimizer.state_dict()),
         "loaders": digest({name: loader.state_dict() for name, loader in run.loaders.items()}),
+        "counters": digest(run.counters),
+        "grad_scaler": digest(run.grad_scaler),
         "rng": digest(capture_rng()),
     }
 

@@ -1,8 +1,10 @@
-"""The block digest: the parallel file reader, the serial reference and the formula agree."""
+"""The block digest: the streaming writer, the parallel reader, the reference and the formula
+agree."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import random
 
 import pytest
@@ -10,7 +12,7 @@ from ckpt_helpers import make_run
 
 from k3_checkpoint import CheckpointError, read_payload, save_checkpoint
 from k3_checkpoint import digest as digest_module
-from k3_checkpoint.digest import digest_of_bytes, digest_of_file
+from k3_checkpoint.digest import HashingWriter, digest_of_bytes, digest_of_view
 from k3_checkpoint.payload import HEADER_SIZE
 
 
@@ -21,22 +23,32 @@ def _formula(data: bytes, block: int) -> bytes:
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_file_digest_matches_the_formula_at_every_block_boundary(tmp_path, monkeypatch, threads):
+def test_parallel_and_streaming_digests_match_the_formula(monkeypatch, threads):
     block = 64
     monkeypatch.setattr(digest_module, "BLOCK", block)
     monkeypatch.setattr(digest_module, "_threads", lambda: threads)
     generator = random.Random(threads)
-    stored = tmp_path / "data"
-    for length in [1, block - 1, block, block + 1, 5 * block, 5 * block + 17]:
+    for length in [0, 1, block - 1, block, block + 1, 5 * block, 5 * block + 17]:
         data = generator.randbytes(length)
         expected = _formula(data, block)
         assert digest_of_bytes(data) == expected
-        stored.write_bytes(b"xy" + data + b"z")  # the digest covers exactly [offset, +length)
-        with open(stored, "rb") as file:
-            assert digest_of_file(file, 2, length) == expected
-        flipped = bytearray(data)
+        assert digest_of_view(data) == expected
+        # Writes of every size, across and along block boundaries, in any mix.
+        for sizes in ([length], [1] * length, [block - 1, 2 * block + 3, 1, block], [3, block]):
+            sink = io.BytesIO()
+            with HashingWriter(sink) as writer:
+                position = 0
+                for size in sizes * (length + 1):
+                    if position >= length:
+                        break
+                    writer.write(bytearray(data[position : position + size]))
+                    position += size
+                writer.write(data[position:])
+                assert writer.digest() == expected and writer.length == length
+            assert sink.getvalue() == data
+        flipped = bytearray(data or b"x")
         flipped[-1] ^= 1
-        assert digest_of_bytes(bytes(flipped)) != expected
+        assert digest_of_bytes(bytes(flipped)) != _formula(data or b"x", block)
 
 
 def test_checkpoint_header_holds_the_documented_digest(tmp_path):
@@ -66,10 +78,3 @@ def test_multi_block_checkpoints_round_trip_on_several_threads(tmp_path, monkeyp
     path.write_bytes(corrupt)
     with pytest.raises(CheckpointError, match="digest mismatch"):
         read_payload(path)
-
-
-def test_a_file_that_shrinks_while_read_is_refused(tmp_path):
-    short = tmp_path / "short"
-    short.write_bytes(b"short")
-    with open(short, "rb") as file, pytest.raises(CheckpointError, match="changed while read"):
-        digest_of_file(file, 0, 100)

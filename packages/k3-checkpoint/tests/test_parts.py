@@ -11,6 +11,7 @@ import torch
 from ckpt_helpers import digest
 
 from k3_checkpoint import (
+    MISSING,
     CheckpointError,
     CompatibilityPolicy,
     capture_rng,
@@ -122,32 +123,60 @@ def test_mixed_dtypes_are_all_recorded():
 # -- policy ------------------------------------------------------------------------------
 
 
+def _compare(policy, saved, current, step=3):
+    """``policy.compare`` on train configs, with ``step`` as the saved counter."""
+    payload = {"counters": {"step": step}}
+    return policy.compare({"train_config": saved}, {"train_config": current}, payload)
+
+
 def test_policy_default_is_exact_equality():
     policy = CompatibilityPolicy()
-    policy.check_train_config({"lr": 1.0}, {"lr": 1.0}, step=3)
+    assert _compare(policy, {"lr": 1.0}, {"lr": 1.0}) == {}
     with pytest.raises(CheckpointError, match=r"train_config\.lr: checkpoint 1\.0, current 2\.0"):
-        policy.check_train_config({"lr": 1.0}, {"lr": 2.0}, step=3)
+        _compare(policy, {"lr": 1.0}, {"lr": 2.0})
     with pytest.raises(CheckpointError, match=r"train_config\.seed: not in the checkpoint"):
-        policy.check_train_config({"lr": 1.0}, {"lr": 1.0, "seed": 1}, step=3)
+        _compare(policy, {"lr": 1.0}, {"lr": 1.0, "seed": 1})
     with pytest.raises(CheckpointError, match=r"train_config\.seed: only in the checkpoint"):
-        policy.check_train_config({"lr": 1.0, "seed": 1}, {"lr": 1.0}, step=3)
+        _compare(policy, {"lr": 1.0, "seed": 1}, {"lr": 1.0})
 
 
 def test_policy_fields_relax_only_what_they_name():
     policy = CompatibilityPolicy(
-        may_grow={"max_steps"}, may_differ={"log_every"}, step_limit="max_steps"
+        may_grow={"train_config.max_steps"},
+        may_differ={"train_config.log_every"},
+        step_limit=("train_config.max_steps", "counters.step"),
     )
-    policy.check_train_config(
+    accepted = _compare(
+        policy,
         {"max_steps": 10, "log_every": 1, "lr": 1.0},
         {"max_steps": 30, "log_every": 5, "lr": 1.0},
         step=10,
     )
+    assert accepted == {"train_config.max_steps": (10, 30), "train_config.log_every": (1, 5)}
     with pytest.raises(CheckpointError, match="may grow, so it must be a number"):
-        policy.check_train_config({"max_steps": 10}, {"max_steps": "30"}, step=1)
-    with pytest.raises(CheckpointError, match="is smaller than the checkpoint's step 12"):
-        policy.check_train_config({"max_steps": 10}, {"max_steps": 11}, step=12)
+        _compare(policy, {"max_steps": 10}, {"max_steps": "30"}, step=1)
+    with pytest.raises(
+        CheckpointError, match=r"is smaller than the checkpoint's counters\.step 12"
+    ):
+        _compare(policy, {"max_steps": 10}, {"max_steps": 11}, step=12)
     with pytest.raises(CheckpointError, match=r"train_config\.lr"):
-        policy.check_train_config({"max_steps": 1, "lr": 1.0}, {"max_steps": 1, "lr": 0.5}, step=1)
+        _compare(policy, {"max_steps": 1, "lr": 1.0}, {"max_steps": 1, "lr": 0.5}, step=1)
+    for step in (-1, True, "3", None):
+        with pytest.raises(CheckpointError, match=r"counters\.step in the checkpoint is"):
+            _compare(policy, {"max_steps": 10}, {"max_steps": 10}, step=step)
+
+
+def test_a_policy_path_covers_everything_below_it():
+    policy = CompatibilityPolicy(may_differ={"train_config.logging"}, runtime_may_differ={"a"})
+    saved = {"train_config": {"logging": {"every": 1, "sink": "x"}}, "runtime": {"a": 1, "b": 2}}
+    current = {"train_config": {"logging": {"every": 5}}, "runtime": {"a": 3, "b": 2}}
+    assert policy.compare(saved, current, {}) == {
+        "train_config.logging.every": (1, 5),
+        "train_config.logging.sink": ("x", MISSING),
+        "runtime.a": (1, 3),
+    }
+    with pytest.raises(CheckpointError, match=r"incompatible runtime — runtime\.b.*bitwise"):
+        policy.compare(saved, {**current, "runtime": {"a": 1, "b": 3}}, {})
 
 
 def test_policy_refuses_ambiguous_construction():
@@ -155,6 +184,8 @@ def test_policy_refuses_ambiguous_construction():
         CompatibilityPolicy(may_grow="max_steps")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="both in may_grow and may_differ"):
         CompatibilityPolicy(may_grow={"a"}, may_differ={"a"})
+    with pytest.raises(TypeError, match=r"step_limit takes \(current metadata path"):
+        CompatibilityPolicy(step_limit="max_steps")  # type: ignore[arg-type]
     assert CompatibilityPolicy(may_grow=["a"]).may_grow == frozenset({"a"})
 
 

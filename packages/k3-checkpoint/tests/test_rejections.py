@@ -15,7 +15,13 @@ import pytest
 import torch
 from ckpt_helpers import TRAINER_POLICY, Run, fingerprint, make_run, rewrite
 
-from k3_checkpoint import CheckpointError, CompatibilityPolicy, load_checkpoint, save_checkpoint
+from k3_checkpoint import (
+    MISSING,
+    CheckpointError,
+    CompatibilityPolicy,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 Payload = dict[str, Any]
 
@@ -84,7 +90,7 @@ CASES = [
     ),
     Case(
         "max-steps-below-step",
-        r"train_config\.max_steps 20 is smaller than the checkpoint's step 50",
+        r"train_config\.max_steps 20 is smaller than the checkpoint's counters\.step 50",
         doctor=_set("counters", step=50),
         policy=TRAINER_POLICY,
     ),
@@ -177,12 +183,12 @@ CASES = [
     ),
     Case(
         "model-state-shape",
-        r"model state does not fit the model — norm\.weight: checkpoint \[17\]",
+        r"model state does not fit the module — norm\.weight: checkpoint \[17\]",
         doctor=_set("model", **{"norm.weight": torch.zeros(17)}),
     ),
     Case(
         "model-state-dtype",
-        r"up\.bias: checkpoint \[64\] torch\.float64, model \[64\] torch\.float32",
+        r"up\.bias: checkpoint \[64\] torch\.float64, module \[64\] torch\.float32",
         doctor=lambda p: p["model"].update({"up.bias": p["model"]["up.bias"].double()}),
     ),
     Case(
@@ -192,8 +198,8 @@ CASES = [
     ),
     Case(
         "loader-identity",
-        r"loader 'train' identity differs: checkpoint manifest_digest 'train-manifest-sha', "
-        r"current 'changed-data'",
+        r"loaders\.train refused its saved state \(ValueError: cursor of other data: "
+        r"'train-manifest-sha', this stream 'changed-data'\); nothing was restored",
         live=lambda: make_run(seed=1, digests=("changed-data", "val-manifest-sha")),
     ),
     Case(
@@ -203,19 +209,51 @@ CASES = [
     ),
     Case(
         "loader-offset",
-        r"loader 'val' offset -1 is not a non-negative integer",
+        r"loaders\.val refused its saved state \(ValueError: offset -1 is not a non-negative",
         doctor=lambda p: p["loaders"]["val"].update(offset=-1),
     ),
     Case(
         # 'train' is restored first; 'val' then refuses, so 'train' must be rolled back.
         "loader-refuses-its-state",
-        r"loader 'val' refused its saved state \(ValueError: offset 5000 is past the end",
+        r"loaders\.val refused its saved state \(ValueError: offset 5000 is past the end",
         doctor=lambda p: p["loaders"]["val"].update(offset=5000),
     ),
     Case(
         "rng-state",
         r"rng state 'numpy' cannot be restored",
         doctor=lambda p: p["rng"]["numpy"].update(keys=p["rng"]["numpy"]["keys"][:10]),
+    ),
+    Case(
+        "component-state-missing",
+        r"payload has no 'counters': the checkpoint has no state for component 'counters'",
+        doctor=lambda p: p.pop("counters"),
+    ),
+    Case(
+        "step-limit-counter-missing",
+        r"counters\.step in the checkpoint is <missing>, not a non-negative integer",
+        doctor=lambda p: p["counters"].pop("step"),
+        policy=TRAINER_POLICY,
+    ),
+    Case(
+        "step-limit-counters-malformed",
+        r"counters\.step in the checkpoint is <missing>",
+        doctor=lambda p: p.update(counters="step=3"),
+        policy=TRAINER_POLICY,
+    ),
+    Case(
+        "counters-not-a-mapping",
+        r"counters refused its saved state \(ValueError: counters lack",
+        doctor=lambda p: p.update(counters=[3, 96, 0]),
+    ),
+    Case(
+        "loader-group-malformed",
+        r"loaders differ: checkpoint int, current \['train', 'val'\]",
+        doctor=lambda p: p.update(loaders=3),
+    ),
+    Case(
+        "unknown-payload-entry",
+        r"incompatible extra — extra: only in the checkpoint \(1\)",
+        doctor=lambda p: p.update(extra=1),
     ),
     Case(
         "grad-scaler-state",
@@ -231,6 +269,7 @@ def test_incompatibility_is_refused_by_name_and_changes_nothing(case, tmp_path):
     source = make_run(seed=0)
     for _ in range(3):
         source.step()
+    source.grad_scaler = {"scale": 1024.0}
     save_checkpoint(path, **source.save_kwargs())
     saved = fingerprint(source)
     if case.doctor is not None:
@@ -239,6 +278,7 @@ def test_incompatibility_is_refused_by_name_and_changes_nothing(case, tmp_path):
     live = case.live() if case.live is not None else source
     for _ in range(2):
         live.step()  # every component now differs from the checkpoint
+    live.grad_scaler = {"scale": 512.0}
     if case.change is not None:
         case.change(live)
     before = fingerprint(live)
@@ -258,8 +298,18 @@ def test_policy_relaxations_are_honoured(tmp_path):
     save_checkpoint(path, **run.save_kwargs())
     run.train_config.update(log_interval=5)
     torch.set_num_threads(torch.get_num_threads() + 1)
-    strict = CompatibilityPolicy(may_differ={"log_interval"})
+    strict = CompatibilityPolicy(may_differ={"train_config.log_interval"})
     with pytest.raises(CheckpointError, match=r"runtime\.num_threads"):
         load_checkpoint(path, **run.load_kwargs(), policy=strict)
-    relaxed = CompatibilityPolicy(may_differ={"log_interval"}, runtime_may_differ={"num_threads"})
-    assert load_checkpoint(path, **run.load_kwargs(), policy=relaxed).counters["step"] == 1
+    relaxed = CompatibilityPolicy(
+        may_differ={"train_config.log_interval"}, runtime_may_differ={"num_threads"}
+    )
+    run.step()
+    loaded = load_checkpoint(path, **run.load_kwargs(), policy=relaxed)
+    assert run.counters["step"] == 1
+    threads = torch.get_num_threads()
+    assert loaded.accepted_changes == {
+        "train_config.log_interval": (MISSING, 5),
+        "runtime.num_threads": (threads - 1, threads),
+    }
+    assert loaded.changes_under("runtime") == {"runtime.num_threads": (threads - 1, threads)}

@@ -32,18 +32,21 @@ def test_round_trip_restores_every_component_bitwise(tmp_path):
     saved = fingerprint(run)
     saved_counters = dict(run.counters)
 
+    scaler = run.grad_scaler
     for _ in range(2):  # move every component away from the checkpoint
         run.step()
+    run.grad_scaler = None
     assert all(fingerprint(run)[part] != saved[part] for part in saved)
 
     loaded = load_checkpoint(path, **run.load_kwargs())
 
     assert fingerprint(run) == saved
     assert loaded.digest == digest and len(digest) == 64
-    assert loaded.counters == saved_counters
-    assert loaded.grad_scaler == run.grad_scaler
-    assert loaded.train_config == {**train_config(), "betas": [0.9, 0.95]}  # stored as plain data
-    assert loaded.model_config == run.model_config
+    assert run.counters == saved_counters
+    assert run.grad_scaler == scaler
+    assert loaded.metadata["train_config"] == {**train_config(), "betas": [0.9, 0.95]}  # plain
+    assert loaded.metadata["model_config"] == run.model_config
+    assert loaded.accepted_changes == {}
     assert all(parameter.grad is None for parameter in run.model.parameters())
     assert not (tmp_path / "ckpt.k3.tmp").exists()
 
@@ -60,8 +63,7 @@ def test_resumed_training_matches_uninterrupted_training_bitwise(tmp_path):
     # A different seed: the fresh run's weights, moments, cursors and RNG all differ, and
     # building it draws from the generators, so only a complete restore can match.
     resumed = make_run(seed=123)
-    loaded = load_checkpoint(path, **resumed.load_kwargs())
-    resumed.counters = dict(loaded.counters)
+    load_checkpoint(path, **resumed.load_kwargs())
     for _ in range(3):
         resumed.step()
 
@@ -92,7 +94,9 @@ def test_real_grad_scaler_state_round_trips(tmp_path):
     save_checkpoint(path, **run.save_kwargs())
 
     restored = torch.amp.GradScaler("cpu")
-    restored.load_state_dict(load_checkpoint(path, **make_run(seed=1).load_kwargs()).grad_scaler)
+    resumed = make_run(seed=1)
+    load_checkpoint(path, **resumed.load_kwargs())
+    restored.load_state_dict(resumed.grad_scaler)
     assert restored.state_dict() == scaler.state_dict()
 
 
@@ -103,7 +107,8 @@ def test_trainer_policy_accepts_a_larger_max_steps(tmp_path):
     save_checkpoint(path, **run.save_kwargs())
     run.train_config = train_config(max_steps=40)
     loaded = load_checkpoint(path, **run.load_kwargs(), policy=TRAINER_POLICY)
-    assert loaded.train_config["max_steps"] == 20  # what was saved; the caller's config rules
+    assert loaded.metadata["train_config"]["max_steps"] == 20  # what was saved
+    assert loaded.accepted_changes == {"train_config.max_steps": (20, 40)}
     with pytest.raises(CheckpointError, match=r"train_config\.max_steps"):
         load_checkpoint(path, **run.load_kwargs())  # the default policy: exact equality
 
@@ -148,16 +153,20 @@ def test_inspect_summarizes_without_a_model(tmp_path):
     digest = save_checkpoint(path, **run.save_kwargs())
     summary = inspect_checkpoint(path)
     parameters = sum(parameter.numel() for parameter in run.model.parameters())
-    assert summary.counters["step"] == 2 and summary.counters["tokens_seen"] == 64
+    assert summary.entries["counters"]["step"] == 2
+    assert summary.entries["counters"]["tokens_seen"] == 64
     assert summary.digest == digest
-    assert summary.parameters == parameters
-    assert summary.model_bytes == 4 * parameters
+    assert summary.tensor_bytes["model"] == 4 * parameters
     # AdamW: two moments per parameter plus a scalar step each.
-    assert summary.optimizer_bytes == 2 * 4 * parameters + 4 * len(list(run.model.parameters()))
+    assert summary.tensor_bytes["optimizer"] == 2 * 4 * parameters + 4 * len(
+        list(run.model.parameters())
+    )
+    assert summary.tensor_bytes["train_config"] == 0
+    assert summary.entries["model"]["norm.weight"] == "<tensor [16] torch.float32>"
     assert summary.file_bytes == path.stat().st_size
     text = "\n".join(summary.lines())
     assert "step=2" in text and "torch.optim.adamw.AdamW" in text and digest[:16] in text
-    assert f"{summary.model_bytes / 1024:.1f} KiB of state" in text
+    assert f"{summary.tensor_bytes['model'] / 1024:.1f} KiB of tensors" in text
 
 
 def test_loading_consumes_no_randomness_before_restoring_it(tmp_path):

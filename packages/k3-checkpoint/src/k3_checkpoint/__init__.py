@@ -1,22 +1,24 @@
 """k3-checkpoint: format-7 checkpoints with atomic writes and a validate-before-mutate loader.
 
-A checkpoint is one complete update boundary of a training run: model and optimizer state,
-counters, configs, loader cursors, every RNG and the runtime it ran under, behind a sha256
-digest. ``load_checkpoint`` checks all of it against the live run before changing anything.
+A checkpoint is one complete update boundary of a training run: the state of every stateful
+component (model, optimizer, loaders, counters...), the caller's metadata, every RNG and the
+runtime it ran under, behind a sha256 digest. ``load_checkpoint`` checks all of it against the
+live run before changing anything.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .components import Components, Stateful
 from .errors import CheckpointError
 from .layout import optimizer_identity, optimizer_layout
 from .load import LoadedCheckpoint, load_checkpoint
 from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, read_payload
-from .policy import CompatibilityPolicy
+from .plain import MISSING
+from .policy import Changes, CompatibilityPolicy
 from .rng import capture_rng, restore_rng, validate_rng_state
 from .runtime import runtime_signature
 from .save import save_checkpoint
 from .summary import CheckpointSummary, inspect_checkpoint
-from .validate import REQUIRED_COUNTERS, StatefulLoader
 
 try:
     __version__ = version("k3-checkpoint")
@@ -26,12 +28,14 @@ except PackageNotFoundError:  # running from a source tree without installation
 __all__ = [
     "FORMAT_VERSION",
     "HISTORICAL_FORMATS",
-    "REQUIRED_COUNTERS",
+    "MISSING",
+    "Changes",
     "CheckpointError",
     "CheckpointSummary",
     "CompatibilityPolicy",
+    "Components",
     "LoadedCheckpoint",
-    "StatefulLoader",
+    "Stateful",
     "__version__",
     "capture_rng",
     "inspect_checkpoint",

@@ -16,7 +16,10 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["check_optimizer_state", "optimizer_identity", "optimizer_layout"]
+__all__ = [
+    "check_layout", "check_optimizer_state", "layout_names", "optimizer_identity",
+    "optimizer_layout",
+]  # fmt: skip
 
 _LISTED = 5  # items named in a message before "…"
 
@@ -27,17 +30,26 @@ def optimizer_identity(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def layout_names(*modules: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` over ``modules`` (the first module owning a parameter wins)."""
+    names: dict[int, str] = {}
+    for module in reversed(modules):
+        names.update({id(parameter): name for name, parameter in module.named_parameters()})
+    return names
+
+
 def optimizer_layout(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | dict[int, str]
 ) -> list[dict[str, Any]]:
     """One ``{"group", "name", "shape", "dtype"}`` per optimized parameter, in optimizer order.
 
     Names come from the group's ``param_names`` when the optimizer keeps them (torch >= 2.6 does
     for named parameters; ``k3_optim.MuonAdamW`` always does), else from
-    ``model.named_parameters()``. A parameter the model does not own is an error: loading the
+    ``model.named_parameters()`` (or a ``layout_names`` map). A parameter the model does not
+    own is an error: loading the
     model would not restore it, so its optimizer state would resume against stale values.
     """
-    model_names = {id(parameter): name for name, parameter in model.named_parameters()}
+    model_names = model if isinstance(model, dict) else layout_names(model)
     layout = []
     for group_index, group in enumerate(optimizer.param_groups):
         parameters = group["params"]
@@ -126,3 +138,26 @@ def check_optimizer_state(
             + ", ".join(wrong[:_LISTED])
             + (" …" if len(wrong) > _LISTED else "")
         )
+
+
+def check_layout(saved: Any, current: list[dict[str, Any]], key: str) -> None:
+    """Raise unless the saved layout (payload ``key``) equals the live one, entry by entry."""
+    if not isinstance(saved, list):
+        raise CheckpointError(f"{key} in the checkpoint is not a list")
+    wrong = [
+        f"[{index}] checkpoint {_entry(old)}, current {_entry(new)}"
+        for index, (old, new) in enumerate(zip(saved, current))
+        if old != new
+    ]
+    if len(saved) != len(current):
+        wrong.append(f"checkpoint {len(saved)} parameters, current {len(current)}")
+    if wrong:
+        shown = "; ".join(wrong[:_LISTED]) + (" …" if len(wrong) > _LISTED else "")
+        raise CheckpointError(f"incompatible {key} — {shown}")
+
+
+def _entry(entry: Any) -> str:
+    if not isinstance(entry, Mapping):
+        return repr(entry)
+    group, name, shape, dtype = (entry.get(key) for key in ("group", "name", "shape", "dtype"))
+    return f"group {group} {name} {shape} {dtype}"

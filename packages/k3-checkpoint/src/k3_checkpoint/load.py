@@ -8,119 +8,94 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from .components import Components, Tree
 from .errors import CheckpointError
 from .payload import read_verified
-from .policy import CompatibilityPolicy
-from .rng import restore_rng
-from .validate import StatefulLoader, check_payload, qk_clip_record
+from .plain import to_plain
+from .policy import Changes, CompatibilityPolicy
+from .rng import cuda_device_count, restore_rng, validate_rng_state
+from .runtime import runtime_signature
+from .save import RESERVED, check_names
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint"]
 
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
-    """What the caller rebuilds its own state from after a successful ``load_checkpoint``.
-
-    Model, optimizer, loader cursors and RNG are already restored; these are the rest.
-    """
+    """What ``load_checkpoint`` found; the components and the RNG are already restored."""
 
     path: Path
     digest: str
     """sha256 of the payload: the checkpoint's identity, for run provenance."""
-    counters: dict[str, int | None]
-    grad_scaler: dict[str, Any] | None
-    train_config: dict[str, Any]
-    """The saved train config (the current one may differ where the policy allows)."""
-    model_config: dict[str, Any]
-    runtime: dict[str, Any]
+    metadata: dict[str, Any]
+    """The saved metadata, ``runtime`` and optimizer types included (the current one may
+    differ where the policy allows)."""
+    accepted_changes: Changes
+    """Every difference the policy accepted: ``{path: (saved, current)}``, e.g.
+    ``{"runtime.num_threads": (16, 8)}``; ``rng.torch_cuda`` when CUDA states were skipped."""
+
+    def changes_under(self, prefix: str) -> Changes:
+        """The accepted changes below one metadata key, e.g. ``changes_under("runtime")``."""
+        return {
+            path: change
+            for path, change in self.accepted_changes.items()
+            if path == prefix or path.startswith(prefix + ".")
+        }
 
 
 def load_checkpoint(
     path: str | os.PathLike[str],
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loaders: Mapping[str, StatefulLoader],
-    train_config: Mapping[str, Any],
-    model_config: Mapping[str, Any],
-    vocab_size: int,
-    qk_clip_policy: Mapping[str, Any] | None = None,
-    qk_clip_geometry: Mapping[str, Any] | None = None,
+    components: Components,
+    metadata: Mapping[str, Any] | None = None,
     policy: CompatibilityPolicy | None = None,
 ) -> LoadedCheckpoint:
-    """Resume ``model``, ``optimizer``, ``loaders`` and the global RNG from ``path``.
+    """Resume ``components`` and the global RNG from ``path``.
 
-    First every check (see ``check_payload``: counters, train config under ``policy``, vocab
-    size, model config, runtime signature, QK-Clip policy and geometry, optimizer class,
-    layout and state structure, model state, loader identities, RNG state). Any failure raises
-    ``CheckpointError`` and changes nothing. Then the restore: loader cursors (rolled back if
-    one refuses its state), model weights, optimizer state with the checkpoint's own
-    hyperparameters, gradients cleared, and the RNG last: draws made while building the
-    model and optimizer, or while restoring, cannot shift the resumed streams. ``policy``
-    defaults to exact equality of the train config.
+    First every check, each raising ``CheckpointError`` and changing nothing: metadata (the
+    caller's, the runtime signature, optimizer classes) under ``policy`` (default: exact
+    equality), a saved state for each component, optimizer layouts and state structure,
+    module state keys/shapes/dtypes, and RNG state. Then the restore: components judged by
+    their own ``load_state_dict`` (loader cursors, counters...), all or none; modules and
+    optimizers (with the checkpoint's hyperparameters), gradients cleared; the RNG last, so
+    draws made while building or restoring cannot shift the resumed streams.
     """
+    policy = CompatibilityPolicy() if policy is None else policy
     payload, digest = read_verified(path)
     try:
-        checked = check_payload(
-            payload,
-            model=model,
-            optimizer=optimizer,
-            loaders=loaders,
-            train_config=train_config,
-            model_config=model_config,
-            vocab_size=vocab_size,
-            qk_clip=qk_clip_record(qk_clip_policy, qk_clip_geometry),
-            policy=CompatibilityPolicy() if policy is None else policy,
-        )
-        _restore_loaders(loaders, payload["loaders"], checked.live_loader_states)
+        tree = Tree(components)
+        current = to_plain(metadata or {}, "metadata")
+        check_names(tree, current)
+        current.update({f"{name}_type": t for name, t in _types(tree).items()})
+        current["runtime"] = runtime_signature(*tree.modules.values())
+        saved_metadata = {
+            key: value
+            for key, value in payload.items()
+            if key not in RESERVED | set(tree.roots) | {f"{n}_layout" for n in tree.optimizers}
+        }
+        saved_metadata["runtime"] = payload.get("runtime")
+        accepted = policy.compare(saved_metadata, current, payload)
+        saved = tree.check(payload)
+        cuda_may_differ = "device_type" in policy.runtime_may_differ
+        rng: Any = payload.get("rng")
+        validate_rng_state(rng, cuda_may_differ=cuda_may_differ)
+        skipped = len(rng["torch_cuda"]), cuda_device_count()
+        if rng["torch_cuda"] and skipped[0] != skipped[1]:
+            accepted["rng.torch_cuda"] = (f"{skipped[0]} devices", f"{skipped[1]} devices")
+        tree.restore_others(saved)
     except CheckpointError as error:
         raise error.with_path(path) from error
     try:
-        model.load_state_dict(payload["model"], strict=True)
-        optimizer.load_state_dict(payload["optimizer"])
-        optimizer.zero_grad(set_to_none=True)
-        for parameter in model.parameters():
-            parameter.grad = None
-        restore_rng(payload["rng"])
+        tree.restore_torch(saved)
+        restore_rng(rng, cuda_may_differ=cuda_may_differ)
     except Exception as error:  # validation should make this unreachable
         raise CheckpointError(
-            "restore failed after every check passed, so the model, optimizer and loaders may "
-            f"be partly restored; rebuild them before trying again ({type(error).__name__}: "
-            f"{error})",
+            "restore failed after every check passed, so the components may be partly "
+            f"restored; rebuild them before trying again ({type(error).__name__}: {error})",
             path=path,
         ) from error
-    return LoadedCheckpoint(
-        path=Path(path),
-        digest=digest,
-        counters=checked.counters,
-        grad_scaler=payload["grad_scaler"],
-        train_config=payload["train_config"],
-        model_config=payload["model_config"],
-        runtime=payload["runtime"],
-    )
+    return LoadedCheckpoint(Path(path), digest, saved_metadata, accepted)
 
 
-def _restore_loaders(
-    loaders: Mapping[str, StatefulLoader],
-    saved: Mapping[str, Mapping[str, Any]],
-    previous: Mapping[str, Mapping[str, Any]],
-) -> None:
-    """Restore every cursor, or none: a loader may still refuse (say, an offset past its data).
-
-    Loaders go first because theirs is the only restore step the checks cannot fully predict;
-    if one refuses, those already restored are put back and nothing else has been touched.
-    """
-    done: list[str] = []
-    for name, loader in loaders.items():
-        try:
-            loader.load_state_dict(dict(saved[name]))
-        except Exception as error:
-            for restored in reversed(done):
-                loaders[restored].load_state_dict(dict(previous[restored]))
-            raise CheckpointError(
-                f"loader '{name}' refused its saved state ({type(error).__name__}: {error}); "
-                "nothing was restored"
-            ) from error
-        done.append(name)
+def _types(tree: Tree) -> dict[str, str]:
+    structure = tree.structure()
+    return {name: structure[f"{name}_type"] for name in tree.optimizers}

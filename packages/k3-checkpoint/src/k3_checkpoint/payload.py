@@ -17,15 +17,17 @@ file matter: a flip or a cut anywhere is a ``CheckpointError``, never a half-rea
 The payload itself is read only with ``torch.load(weights_only=True)``, so a hostile pickle
 cannot run code (the digest is not a signature: anyone can recompute it).
 
-Writes are atomic: ``path.tmp`` is written with a blank header, the header is filled in once the
-payload is complete, the file is flushed and fsynced, renamed over ``path``, and the directory is
-fsynced. A crash at any point leaves the previous ``path`` intact. Nothing reads ``.tmp`` in place
-of ``path``, and one cut short mid-write has a blank header, which the reader refuses by name.
+Writes are atomic: ``path.tmp`` is written with a blank header, the payload is hashed while
+``torch.save`` writes it, the header is filled in once it is complete, the file is flushed and
+fsynced, renamed over ``path``, and the directory is fsynced. A crash at any point leaves the
+previous ``path`` intact. Nothing reads ``.tmp`` in place of ``path``, and one cut short
+mid-write has a blank header, which the reader refuses by name.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import os
 import struct
 import zlib
@@ -35,7 +37,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .digest import digest_of_file
+from .digest import HashingWriter, read_and_digest
 from .errors import CheckpointError
 
 __all__ = ["FORMAT_VERSION", "HISTORICAL_FORMATS", "read_payload", "write_payload"]
@@ -65,16 +67,13 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
     try:
-        with open(temporary, "w+b") as file:  # read too: the digest re-reads the payload
+        with open(temporary, "wb") as file:
             file.write(bytes(HEADER_SIZE))  # blank: marks an unfinished write
-            torch.save(dict(payload), file)
-            file.flush()
-            length = file.tell() - HEADER_SIZE
-            # From the page cache, in parallel blocks: cheaper than hashing inside torch's
-            # many small writes, which would serialize the hash on one core.
-            digest = digest_of_file(file, HEADER_SIZE, length)
+            with HashingWriter(file) as writer:  # hashed as written: no second pass
+                torch.save(dict(payload), writer)  # type: ignore[arg-type]  # has write()
+                digest = writer.digest()
             file.seek(0)
-            file.write(pack_header(FORMAT_VERSION, length, digest))
+            file.write(pack_header(FORMAT_VERSION, writer.length, digest))
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -116,21 +115,27 @@ def read_payload(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
-    """``read_payload`` plus the payload's hex digest (the checkpoint's identity)."""
+    """``read_payload`` plus the payload's hex digest (the checkpoint's identity).
+
+    The file is read once into memory, each block hashed while the next is read; the digest
+    is checked over those bytes and the same bytes are unpickled, so no byte that was not
+    verified reaches the unpickler.
+    """
     path = Path(path)
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             length, expected = _read_header(file, size, path)
-            actual = digest_of_file(file, HEADER_SIZE, length)
-            if actual != expected:
-                raise CheckpointError(
-                    f"digest mismatch: the payload hashes to {actual.hex()[:16]}…, the header "
-                    f"records {expected.hex()[:16]}…; the file is corrupt",
-                    path=path,
-                )
-            file.seek(HEADER_SIZE)
-            payload = _torch_load(file, path)
+            blocks, actual = read_and_digest(file, length)
+        if sum(map(len, blocks)) != length:
+            raise CheckpointError("is shorter than when it was opened (changed while read)")
+        if actual != expected:
+            raise CheckpointError(
+                f"digest mismatch: the payload hashes to {actual.hex()[:16]}…, the header "
+                f"records {expected.hex()[:16]}…; the file is corrupt",
+                path=path,
+            )
+        payload = _torch_load(MemoryFile(blocks), path)
     except OSError as error:
         raise CheckpointError(f"cannot be read: {error.strerror or error}", path=path) from error
     except CheckpointError as error:
@@ -146,6 +151,43 @@ def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
             path=path,
         )
     return payload, actual.hex()
+
+
+class MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over equal-sized blocks of bytes already in memory (the
+    last one may be shorter); ``torch.load`` copies each tensor straight out of them."""
+
+    def __init__(self, blocks: list[bytes]) -> None:
+        super().__init__()
+        self._blocks = [memoryview(block) for block in blocks]
+        self._block = len(blocks[0]) if blocks else 1
+        self._size = sum(len(block) for block in blocks)
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}
+        self._position = max(0, base[whence] + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(target) and self._position < self._size:
+            index, offset = divmod(self._position, self._block)
+            chunk = self._blocks[index][offset : offset + len(target) - done]
+            target[done : done + len(chunk)] = chunk
+            done += len(chunk)
+            self._position += len(chunk)
+        return done
 
 
 def format_problem(version: object) -> str | None:
@@ -199,9 +241,9 @@ def _read_header(file: BinaryIO, size: int, path: Path) -> tuple[int, bytes]:
     return length, digest
 
 
-def _torch_load(source: BinaryIO | Path, path: Path, **options: Any) -> Any:
+def _torch_load(source: io.RawIOBase | Path, path: Path, **options: Any) -> Any:
     try:
-        return torch.load(source, weights_only=True, map_location="cpu", **options)
+        return torch.load(source, weights_only=True, map_location="cpu", **options)  # type: ignore[arg-type]
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         raise CheckpointError(
             f"refused by torch.load(weights_only=True): {_reason(error)}", path=path

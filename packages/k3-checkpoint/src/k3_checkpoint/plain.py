@@ -12,21 +12,31 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from .errors import CheckpointError
 
-__all__ = ["differences", "is_count", "to_plain"]
+__all__ = [
+    "MISSING", "describe", "differences", "is_count", "leaf_differences", "show", "to_plain",
+]  # fmt: skip
 
 _SHOWN = 60  # characters of a value shown in a difference
 
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
+"""Stands for the absent side of a key present on one side only."""
 
-def to_plain(value: Any, where: str) -> Any:
+
+def to_plain(value: Any, where: str, *, tensors: bool = False) -> Any:
     """A copy of ``value`` made only of dict (str keys), list, str, int, float, bool and None.
 
     Tuples become lists and numeric scalars (NumPy's included) become Python numbers, so what
     is saved compares equal to what a caller passes later. Anything else (an object, a set, an
-    enum, a tensor) raises ``CheckpointError`` naming its place, e.g. ``train_config.betas``.
+    enum) raises ``CheckpointError`` naming its place, e.g. ``train_config.betas``. Tensors are
+    refused too unless ``tensors`` (a component's state may hold them; metadata may not).
     """
     if value is None or type(value) in (bool, str):
+        return value
+    if tensors and isinstance(value, torch.Tensor):
         return value
     if isinstance(value, enum.Enum):
         raise CheckpointError(f"{where} is the enum {value!r}; store its .value instead")
@@ -41,10 +51,12 @@ def to_plain(value: Any, where: str) -> Any:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"{where} has the non-string key {key!r}; use string keys")
-            plain[str.__str__(key)] = to_plain(item, f"{where}.{key}")
+            plain[str.__str__(key)] = to_plain(item, f"{where}.{key}", tensors=tensors)
         return plain
     if isinstance(value, (list, tuple)):
-        return [to_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        return [
+            to_plain(item, f"{where}[{index}]", tensors=tensors) for index, item in enumerate(value)
+        ]
     raise CheckpointError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints hold "
         "plain data only (dict, list, str, int, float, bool, None), so convert it first "
@@ -57,26 +69,33 @@ def is_count(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-def differences(saved: Any, current: Any, where: str) -> list[str]:
-    """One line per leaf where two plain values differ, e.g. ``model_config.d_model: 64 → 128``.
-
-    Mappings are compared key by key (a key on one side only is reported as such); any other
-    pair is compared whole.
-    """
+def leaf_differences(saved: Any, current: Any, where: str) -> list[tuple[str, Any, Any]]:
+    """``(place, saved, current)`` per leaf where two plain values differ; ``MISSING`` marks
+    a key on one side only. Mappings are compared key by key, any other pair whole."""
     if isinstance(saved, Mapping) and isinstance(current, Mapping):
-        lines: list[str] = []
+        found: list[tuple[str, Any, Any]] = []
         for key in sorted(set(saved) | set(current), key=str):
-            place = f"{where}.{key}"
-            if key not in current:
-                lines.append(f"{place}: only in the checkpoint ({_show(saved[key])})")
-            elif key not in saved:
-                lines.append(f"{place}: not in the checkpoint (current {_show(current[key])})")
-            else:
-                lines.extend(differences(saved[key], current[key], place))
-        return lines
+            place = f"{where}.{key}" if where else str(key)
+            found += leaf_differences(saved.get(key, MISSING), current.get(key, MISSING), place)
+        return found
     if _same(saved, current):
         return []
-    return [f"{where}: checkpoint {_show(saved)}, current {_show(current)}"]
+    return [(where, saved, current)]
+
+
+def describe(place: str, saved: Any, current: Any) -> str:
+    """One readable line for a difference, e.g. ``model_config.d_model: checkpoint 64, current
+    128``."""
+    if current is MISSING:
+        return f"{place}: only in the checkpoint ({show(saved)})"
+    if saved is MISSING:
+        return f"{place}: not in the checkpoint (current {show(current)})"
+    return f"{place}: checkpoint {show(saved)}, current {show(current)}"
+
+
+def differences(saved: Any, current: Any, where: str) -> list[str]:
+    """One line per leaf where two plain values differ (see ``describe``)."""
+    return [describe(*difference) for difference in leaf_differences(saved, current, where)]
 
 
 def _same(saved: Any, current: Any) -> bool:
@@ -88,6 +107,6 @@ def _same(saved: Any, current: Any) -> bool:
     return bool(saved == current)
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= _SHOWN else text[: _SHOWN - 1] + "…"

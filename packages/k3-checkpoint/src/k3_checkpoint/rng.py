@@ -19,7 +19,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["capture_rng", "restore_rng", "validate_rng_state"]
+__all__ = ["capture_rng", "cuda_device_count", "restore_rng", "validate_rng_state"]
 
 _PARTS = ("python", "numpy", "torch_cpu", "torch_cuda")
 
@@ -53,14 +53,18 @@ def capture_rng() -> dict[str, Any]:
     }
 
 
-def validate_rng_state(state: Mapping[str, Any]) -> None:
+def validate_rng_state(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> None:
     """Raise ``CheckpointError`` unless ``restore_rng(state)`` would succeed; change nothing."""
-    _parsed(state)
+    _parsed(state, cuda_may_differ)
 
 
-def restore_rng(state: Mapping[str, Any]) -> None:
-    """Set every global generator to ``state`` (from ``capture_rng``), all or none of them."""
-    python_state, numpy_state, cpu_state, cuda_states = _parsed(state)
+def restore_rng(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> None:
+    """Set every global generator to ``state`` (from ``capture_rng``), all or none of them.
+
+    With ``cuda_may_differ``, CUDA states saved for another device count are skipped instead
+    of refused (a resume on another machine; its CUDA streams are then fresh).
+    """
+    python_state, numpy_state, cpu_state, cuda_states = _parsed(state, cuda_may_differ)
     random.setstate(python_state)
     np.random.set_state(numpy_state)
     torch.set_rng_state(cpu_state)
@@ -68,7 +72,14 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _parsed(state: Mapping[str, Any]) -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:
+def cuda_device_count() -> int:
+    """CUDA devices this process can restore generator states to (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _parsed(
+    state: Mapping[str, Any], cuda_may_differ: bool = False
+) -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:
     """The library-native forms of ``state``, each already accepted by a throwaway generator."""
     if not isinstance(state, Mapping) or set(state) != set(_PARTS):
         found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
@@ -98,11 +109,13 @@ def _parsed(state: Mapping[str, Any]) -> tuple[Any, Any, torch.Tensor, list[torc
         cuda_states = list(state["torch_cuda"])
         for tensor in cuda_states:
             _check_byte_tensor(tensor)
-        if cuda_states and (
-            not torch.cuda.is_available() or len(cuda_states) != torch.cuda.device_count()
-        ):
-            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise ValueError(f"saved for {len(cuda_states)} CUDA devices, {available} available")
+        available = cuda_device_count()
+        if cuda_states and len(cuda_states) != available:
+            if not cuda_may_differ:
+                raise ValueError(
+                    f"saved for {len(cuda_states)} CUDA devices, {available} available"
+                )
+            cuda_states = []
         for index, tensor in enumerate(cuda_states):
             torch.Generator(device=f"cuda:{index}").set_state(tensor)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as error:

@@ -17,13 +17,13 @@ from .plain import to_plain
 __all__ = ["runtime_signature"]
 
 
-def runtime_signature(model: torch.nn.Module) -> dict[str, Any]:
-    """Plain-data description of the runtime ``model`` trains under.
+def runtime_signature(*modules: torch.nn.Module) -> dict[str, Any]:
+    """Plain-data description of the runtime ``modules`` train under.
 
-    Device types and parameter dtypes are sorted lists (a model may mix them); the rest are
-    process-wide settings read at call time.
+    Device types and parameter dtypes are sorted lists over all their parameters (a model may
+    mix them); the rest are process-wide settings read at call time.
     """
-    parameters = list(model.parameters())
+    parameters = [parameter for module in modules for parameter in module.parameters()]
     signature = {
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
