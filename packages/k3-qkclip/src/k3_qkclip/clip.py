@@ -18,6 +18,7 @@ weights (Kimi K2, §2.1): it never changes the current step's forward or backwar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -43,15 +44,22 @@ class QKClip:
     declarations checked at construction. Entering the context installs one
     :class:`QKObserver` per module; leaving restores the attribute, so a model outside
     the context runs plain attention.
+
+    Data parallel: ``reduce_max(t)`` all-reduces a tensor in place with MAX over the
+    ranks (e.g. ``lambda t: dist.all_reduce(t, dist.ReduceOp.MAX)``). The observations
+    are then reduced in :meth:`nonfinite` (and :meth:`validate` without an argument), so
+    every rank validates and clips the same heads by the same factors.
     """
 
-    def __init__(self, model: nn.Module, policy: QKClipPolicy | None = None):
+    def __init__(self, model: nn.Module, policy: QKClipPolicy | None = None, *,
+                 reduce_max: Callable[[Tensor], object] | None = None):
         if policy is None:
             policy = QKClipPolicy()
         if not isinstance(policy, QKClipPolicy):
             raise TypeError(f"QKClip: policy must be a QKClipPolicy, got {type(policy).__name__}")
         self.model = model
         self.policy = policy
+        self.reduce_max = reduce_max
         self._plans = _discover(model, policy)
         if not self._plans and policy.enabled:
             raise ValueError(
@@ -132,6 +140,11 @@ class QKClip:
             return None
         device = observers[0].value.device
         values = torch.cat([o.value.to(device) for o in observers])
+        if self.reduce_max is not None:  # one collective for every module's heads
+            self.reduce_max(values)
+            parts = torch.split(values, [o.n_heads for o in observers])
+            for observer, part in zip(observers, parts):
+                observer.replace(part)
         return (torch.isnan(values) | (values == math.inf)).any()
 
     def validate(self, nonfinite: bool | None = None) -> None:

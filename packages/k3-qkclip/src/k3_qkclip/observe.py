@@ -71,6 +71,10 @@ class QKObserver:
         self._max = torch.maximum(self._max, value)
         self.observed = self.unvalidated = True
 
+    def replace(self, value: Tensor) -> None:
+        """Take ``value`` as the maxima (the data-parallel MAX over ranks of this one's)."""
+        self._max = value.detach().to(self._max.device, torch.float32).clone()
+
     def reset(self) -> None:
         """Discard the observations (a fresh tensor, so earlier snapshots stay valid)."""
         self._max = torch.full_like(self._max, -math.inf)

@@ -121,7 +121,7 @@ class ModulePlan:
             factor = table[t.factor_index.to(table.device)]
             for _, tensor in t.tensors:
                 shape = (-1,) + (1,) * (tensor.dim() - 1)
-                tensor.mul_(factor.to(tensor.device, tensor.dtype).view(shape))
+                tensor.mul_(_like(factor.to(tensor.device, tensor.dtype).view(shape), tensor))
 
     def geometry(self) -> dict[str, object]:
         """The spec plus the resolved parameter names and shapes, as plain data."""
@@ -132,3 +132,14 @@ class ModulePlan:
             for n, t in target.tensors
         }
         return spec
+
+
+def _like(factor: Tensor, tensor: Tensor) -> Tensor:
+    """``factor`` as an operand of ``tensor``: replicated over the mesh of a DTensor (FSDP2
+    shards a weight by rows; each rank then scales the rows it holds)."""
+    if not hasattr(tensor, "device_mesh"):
+        return factor
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = tensor.device_mesh
+    return DTensor.from_local(factor, mesh, [Replicate()] * mesh.ndim, run_check=False)
