@@ -19,6 +19,7 @@ clears them. With collection off they cost one attribute check per forward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +108,6 @@ class Experts(nn.Module):
                 return False
         elif x.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return False
-        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
-            return False  # torch.compile's shape function accepts bf16 only (torch 2.13)
         _, hidden, d = self.w_gate.shape
         return all(n * dtype.itemsize % 16 == 0 for n in (hidden, d))
 
@@ -130,6 +129,14 @@ class Experts(nn.Module):
         return unsorted.view(x.shape[0], k, -1).sum(dim=1)
 
     def _grouped(self, xs: Tensor, sorted_experts: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() and _compute_dtype(xs) != torch.bfloat16:
+            # torch.compile's shape function for the grouped GEMM takes bf16 only (torch
+            # 2.13): run it eagerly between two graphs rather than fall back to the
+            # per-expert loop, whose data-dependent split sizes recompile every step.
+            return _grouped_outside_graph(self, xs, sorted_experts)
+        return self._grouped_kernel(xs, sorted_experts)
+
+    def _grouped_kernel(self, xs: Tensor, sorted_experts: Tensor) -> Tensor:
         dtype = _compute_dtype(xs)
         bounds = torch.arange(1, self.n_experts + 1, device=xs.device, dtype=sorted_experts.dtype)
         ends = torch.searchsorted(sorted_experts, bounds).to(torch.int32)
@@ -144,6 +151,15 @@ class Experts(nn.Module):
             h = glu(F.linear(xe, self.w_gate[e]), F.linear(xe, self.w_up[e]), self.activation)
             parts.append(F.linear(h, self.w_down[e]))
         return torch.cat(parts)
+
+
+def _grouped_eagerly(experts: Experts, xs: Tensor, sorted_experts: Tensor) -> Tensor:
+    return experts._grouped_kernel(xs, sorted_experts)
+
+
+# A graph break: dynamo runs this between two compiled graphs, as plain eager code.
+_grouped_outside_graph: Callable[[Experts, Tensor, Tensor], Tensor] = (
+    torch.compiler.disable(_grouped_eagerly))  # type: ignore[no-untyped-call]
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
