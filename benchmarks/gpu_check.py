@@ -1,28 +1,49 @@
-"""GPU readiness check: NS correctness per dtype, optimizer and NS speed, bf16 training steps.
+"""GPU check: NS accuracy and speed, the optimizer step, KDA kernels, a ~1B model's MFU.
 
-Run on a CUDA machine: ``python benchmarks/gpu_check.py [--json PATH]`` (about a minute on
-one modern GPU). On a machine without CUDA it says so, runs a small CPU smoke of the same
-code paths and exits 0, so CI keeps the script from rotting.
+Run on a CUDA machine (sized for under 6 minutes on one H200; see ``--time-limit``)::
+
+    python benchmarks/gpu_check.py --json results/gpu.json --markdown results/gpu.md
+
+Sections (``--sections`` picks a subset, in this order): ``ns_correctness`` (NS error per
+dtype against fp64), ``ns_throughput`` (bf16 NS TFLOP/s against a bf16 matmul; goal ≥ 0.9
+at 4096²), ``optimizer_step`` (MuonAdamW vs torch's Muon+AdamW), ``kda`` (our chunk_kda
+vs flash-linear-attention's kernel: agreement, forward and forward+backward time), and
+``train`` (the ``base`` hybrid preset, ~1 B parameters, bf16 autocast, regionally compiled
+then eager: tokens/s, MFU against the dense bf16 peak, peak memory). Results, dated, are
+written after every measurement, so a run cut short still leaves its numbers; sections
+that would not fit in ``--time-limit`` are skipped and say so.
+
+Without CUDA (or with ``--smoke``) every section runs at tiny sizes (well under a minute
+on a CPU core; no compile) and exits 0, so CI keeps the script from rotting. The NS and
+optimizer sections need only k3-optim; ``kda`` and ``train`` need k3-model and are skipped
+with a message without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import math
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from k3_optim import MuonAdamW, build_parameter_groups, newton_schulz
+from k3_optim import MuonAdamW, newton_schulz
 
-# Dense bf16 tensor-core peak (no sparsity), TFLOP/s, from the vendors' data sheets.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
+# Dense bf16 tensor-core peak (no sparsity), TFLOP/s, from the vendors' data sheets; a copy
+# of k3_trainer.window.PEAK_TFLOPS["bf16"], so this script runs with only k3-optim.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+                    "A10G": 70.0, "RTX 4090": 165.0}
+SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "train")
+NEEDS_K3_MODEL = ("kda", "train")
+TRAIN_RESERVE_S = 200.0  # what earlier sections leave for ``train`` when it is selected
+MFU_GOAL, NS_GOAL = 0.40, 0.90
 
 
 def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
@@ -45,11 +66,52 @@ def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def check_ns(device: torch.device, small: bool) -> dict[str, Any]:
+@dataclass
+class Context:
+    """What every section gets: device, size, the clock, and a way to save as it goes."""
+
+    device: torch.device
+    smoke: bool
+    deadline: float
+    options: dict[str, Any]
+    results: dict[str, Any]
+    paths: tuple[Path | None, Path | None]
+    start: float = field(default_factory=time.perf_counter)
+    reserve: float = 0.0  # seconds the current section must leave for later ones
+
+    def has(self, seconds: float) -> bool:
+        """Whether ``seconds`` more fit before the deadline, after the reserve."""
+        return self.deadline - time.perf_counter() - self.reserve >= seconds
+
+    def log(self, message: str) -> None:
+        now = datetime.now(timezone.utc).strftime("%H:%M:%S")
+        print(f"[{now} +{time.perf_counter() - self.start:5.1f}s] {message}", flush=True)
+
+    def time(self, fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+        return cuda_time(fn, repeats, warmup)
+
+    def save(self) -> None:
+        json_path, md_path = self.paths
+        if json_path:
+            json_path.write_text(json.dumps(self.results, indent=2, default=str))
+        if md_path:
+            md_path.write_text(markdown(self.results))
+
+
+def peak_bf16_tflops(device: torch.device) -> float | None:
+    """The table's dense bf16 peak for this device; None off CUDA or for an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def check_ns(ctx: Context, out: dict[str, Any]) -> None:
     """Relative error of NS in each dtype against the fp64 iteration, and max |σ − 1|."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    shapes = [(64, 256), (3, 32, 96)] if small else [(1024, 4096), (4096, 1024), (16, 256, 1024)]
-    out: dict[str, Any] = {}
+    device = ctx.device
+    shapes = [(64, 256), (3, 32, 96)] if ctx.smoke else [(1024, 4096), (4096, 1024),
+                                                         (16, 256, 1024)]
     for shape in shapes:
         G = torch.randn(*shape, dtype=torch.float64, device=device)
         for coefficients in ("jordan", "polar_express"):
@@ -62,14 +124,15 @@ def check_ns(device: torch.device, small: bool) -> dict[str, Any]:
             s = torch.linalg.svdvals(ref.reshape(-1, *ref.shape[-2:])[0])
             row["max_abs_sigma_minus_1_fp64"] = float((s - 1).abs().max())
             out[f"{'x'.join(map(str, shape))}/{coefficients}"] = row
-            print(f"NS {shape} {coefficients}: "
-                  + ", ".join(f"{k}={v:.2e}" for k, v in row.items()))
-    return out
+            ctx.log(f"NS {shape} {coefficients}: "
+                    + ", ".join(f"{k}={v:.2e}" for k, v in row.items()))
+    ctx.save()
 
 
-def ns_throughput(device: torch.device, small: bool) -> dict[str, Any]:
-    sizes = [(256, 256)] if small else [(4096, 4096), (2048, 8192), (1024, 4096)]
-    out = {}
+def ns_throughput(ctx: Context, out: dict[str, Any]) -> None:
+    """NS TFLOP/s against a plain matmul of the same dtype (5 steps: 5·(4m²n + 2m³) FLOPs)."""
+    device = ctx.device
+    sizes = [(256, 256)] if ctx.smoke else [(4096, 4096), (2048, 8192), (1024, 4096)]
     for m, n in sizes:
         flops = 5 * (4 * m * m * n + 2 * m**3)
         G = torch.randn(m, n, device=device)
@@ -79,20 +142,25 @@ def ns_throughput(device: torch.device, small: bool) -> dict[str, Any]:
             t_ns = cuda_time(lambda dt=dtype, G=G: newton_schulz(G, dtype=dt), 5)
             a, b = A.to(dtype), B.to(dtype)
             t_mm = cuda_time(lambda a=a, b=b: a @ b, 10)
-            row[name] = {"ns_tflops": flops / t_ns / 1e12,
-                         "matmul_tflops": 2 * m * m * n / t_mm / 1e12}
+            ns, mm = flops / t_ns / 1e12, 2 * m * m * n / t_mm / 1e12
+            row[name] = {"ns_tflops": ns, "matmul_tflops": mm, "ratio": ns / mm}
         out[f"{m}x{n}"] = row
-        print(f"NS throughput {m}x{n}: " + ", ".join(
-            f"{k} NS {v['ns_tflops']:.1f} vs matmul {v['matmul_tflops']:.1f} TFLOP/s"
-            for k, v in row.items()))
-    return out
+        ctx.save()
+        ctx.log(f"NS throughput {m}x{n}: " + ", ".join(
+            f"{k} NS {v['ns_tflops']:.1f} vs matmul {v['matmul_tflops']:.1f} TFLOP/s "
+            f"({v['ratio']:.2f})" for k, v in row.items()))
+    if "4096x4096" in out:
+        out["goal"] = {"bf16_ns_over_matmul_4096": out["4096x4096"]["bf16"]["ratio"],
+                       "target": NS_GOAL}
 
 
-def optimizer_step(device: torch.device, small: bool) -> dict[str, Any]:
-    d, layers, vocab = (128, 2, 1024) if small else (1024, 12, 32768)
+def optimizer_step(ctx: Context, out: dict[str, Any]) -> None:
+    """One step of MuonAdamW vs torch's Muon + AdamW on a GPT-shaped parameter set."""
+    device = ctx.device
+    d, layers, vocab = (128, 2, 1024) if ctx.smoke else (1024, 12, 32768)
 
     def params() -> dict[str, torch.Tensor]:
-        shapes = {"embed": (vocab, d)}
+        shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d)}
         for i in range(layers):
             shapes |= {f"{i}.q": (d, d), f"{i}.k": (d, d), f"{i}.v": (d, d), f"{i}.o": (d, d),
                        f"{i}.gate": (4 * d, d), f"{i}.up": (4 * d, d), f"{i}.down": (d, 4 * d),
@@ -104,7 +172,7 @@ def optimizer_step(device: torch.device, small: bool) -> dict[str, Any]:
             ps[name] = p
         return ps
 
-    def split(ps: dict[str, torch.Tensor]) -> tuple[list, list]:
+    def split(ps: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         is_hidden = {n: p.ndim == 2 and n != "embed" for n, p in ps.items()}
         return ([p for n, p in ps.items() if is_hidden[n]],
                 [p for n, p in ps.items() if not is_hidden[n]])
@@ -120,169 +188,153 @@ def optimizer_step(device: torch.device, small: bool) -> dict[str, Any]:
         results[f"MuonAdamW ns_dtype={ns_dtype}"] = cuda_time(ours.step, 5)
     base = results["torch Muon+AdamW (bf16 NS)"]
     for name, t in results.items():
-        print(f"optimizer step d={d} x{layers}: {name}: {t * 1e3:.2f} ms ({t / base:.2f}x torch)")
-    return {name: {"seconds": t, "vs_torch": t / base} for name, t in results.items()}
+        out[name] = {"ms": t * 1e3, "vs_torch": t / base}
+        ctx.log(f"optimizer step d={d} x{layers}: {name}: {t * 1e3:.2f} ms "
+                f"({t / base:.2f}x torch)")
+    out["shape"] = f"d={d}, {layers} layers, vocab {vocab}"
+    ctx.save()
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(d), nn.RMSNorm(d)
-        self.q_proj, self.k_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
-        self.v_proj, self.o_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
-        hidden = 8 * d // 3
-        self.gate, self.up = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
-        self.down = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h = self.attn_norm(x)
-        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
-        h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+def _fmt(value: Any, spec: str = ".3g") -> str:
+    if value is None:
+        return "n/a"
+    return format(value, spec) if isinstance(value, int | float) else str(value)
 
 
-class _GPT(nn.Module):
-    """A plain decoder for the bf16 step check (k3-model's presets take over when present)."""
-
-    def __init__(self, vocab: int, d: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
-        self.norm = nn.RMSNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        logits = self.lm_head(self.norm(h))
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(),
-                                                            targets.flatten())
-        return logits, loss
-
-
-def bf16_training(device: torch.device, small: bool) -> dict[str, Any]:
-    vocab, d, layers, heads, batch, seq = ((256, 128, 2, 4, 4, 64) if small
-                                           else (32768, 1024, 8, 8, 16, 1024))
-    torch.manual_seed(0)
-    model = _GPT(vocab, d, layers, heads).to(device)
-    opt = MuonAdamW(build_parameter_groups(model), lr=3e-3)
-    n_params = sum(p.numel() for p in model.parameters())
-    matmul_params = n_params - model.embed.weight.numel()
-    x = torch.randint(0, vocab, (batch, seq + 1), device=device)
-    inputs, targets = x[:, :-1], x[:, 1:]
-    losses = []
-
-    def fwd_bwd() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            _, loss = model(inputs, targets)
-        loss.backward()
-        losses.append(loss.detach())  # read once at the end: no host sync per step
-
-    def step() -> None:
-        fwd_bwd()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    t_step = cuda_time(step, 10, warmup=0)
-    t_fb = cuda_time(lambda: (fwd_bwd(), opt.zero_grad(set_to_none=True)), 5, warmup=0)
-    assert all(p.dtype == torch.float32 for p in model.parameters()), "masters must stay fp32"
-    losses = [float(v) for v in losses]
-    tokens = batch * seq
-    flops = 6 * matmul_params * tokens + 12 * layers * d * seq * tokens / 2
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    mfu = flops / t_step / (peak * 1e12) if peak else None
-    finite = all(math.isfinite(v) for v in losses)
-    result = {"params": n_params, "step_s": t_step, "optimizer_share": max(0.0, 1 - t_fb / t_step),
-              "tokens_per_s": tokens / t_step, "mfu": mfu, "loss_first": losses[0],
-              "loss_last": losses[-1], "losses_finite": finite}
-    print(f"bf16 training ({n_params / 1e6:.1f}M params, {batch}x{seq}): "
-          f"{t_step * 1e3:.1f} ms/step, {tokens / t_step:,.0f} tok/s, "
-          f"optimizer {result['optimizer_share']:.1%} of the step, "
-          f"MFU {'unknown device' if mfu is None else f'{mfu:.1%}'}, "
-          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    return result
+def markdown(results: dict[str, Any]) -> str:
+    """The headline figures as a Markdown table (the JSON has everything)."""
+    rows: list[tuple[str, str, str]] = []
+    for key, row in results.get("ns_correctness", {}).items():
+        if isinstance(row, dict) and "bf16" in row:
+            rows.append((f"NS rel. error vs fp64, {key}", "bf16 {} / fp32 {}".format(
+                _fmt(row["bf16"], ".1e"), _fmt(row["fp32"], ".1e")), ""))
+    for key, row in results.get("ns_throughput", {}).items():
+        if isinstance(row, dict) and "bf16" in row:
+            b = row["bf16"]
+            rows.append((f"NS bf16 TFLOP/s vs matmul, {key}", f"{b['ns_tflops']:.3g} / "
+                         f"{b['matmul_tflops']:.3g} = {b['ratio']:.2f}",
+                         f"≥ {NS_GOAL}" if key == "4096x4096" else ""))
+    for key, row in results.get("optimizer_step", {}).items():
+        if isinstance(row, dict) and "ms" in row:
+            rows.append((f"optimizer step, {key}", f"{row['ms']:.2f} ms "
+                         f"({row['vs_torch']:.2f}x torch)", ""))
+    kda = results.get("kda", {})
+    for name, row in kda.get("agreement", {}).items():
+        if isinstance(row, dict):
+            worst = max((v["max_rel"] for v in row.values() if isinstance(v, dict)), default=0)
+            figure = (f"o rel {row['o']['max_rel']:.1e}, worst of o and grads rel {worst:.1e}"
+                      if "o" in row else str(row.get("skipped")))
+            rows.append((f"KDA {name} vs ours-fp32 ({kda['agreement']['shape']})", figure, ""))
+    if "fla" in kda:
+        rows.append(("KDA fla", str(kda["fla"]), ""))
+    for case, row in kda.get("timings", {}).items():
+        figures = ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in row.items())
+        rows.append((f"KDA {case}", figures, ""))
+    train = results.get("train", {})
+    for variant in ("compiled", "eager"):
+        r = train.get(variant)
+        if not isinstance(r, dict):
+            continue
+        label = (f"train {train.get('preset')} {variant}, {train.get('batch')}x"
+                 f"{train.get('seq')}, KDA {train.get('kda_backend')}")
+        if "step_ms" in r:
+            memory = r["peak_memory_gib"]
+            rows.append((label, f"{r['tokens_per_s']:,.0f} tok/s, MFU {_fmt(r['mfu'], '.1%')}, "
+                         f"{r['step_ms']:.0f} ms/step, "
+                         + ("" if memory is None else f"peak memory {memory:.1f} GiB, ")
+                         + f"warm-up {r['warmup_s']:.0f} s",
+                         f"MFU ≥ {MFU_GOAL:.0%}" if variant == "compiled" else ""))
+        else:
+            rows.append((label, str(r.get("skipped") or r.get("error", "")).splitlines()[-1],
+                         ""))
+    for name in SECTIONS:
+        section = results.get(name, {})
+        if isinstance(section, dict) and ("error" in section or "skipped" in section):
+            note = str(section.get("skipped") or section["error"]).strip().splitlines()[-1]
+            rows.append((name, note, ""))
+    head = (f"GPU check, {results.get('date')}, {results.get('device_name')}, "
+            f"torch {results.get('torch')}\n\n| check | figure | goal |\n|---|---|---|\n")
+    return head + "".join(f"| {a} | {b} | {c} |\n" for a, b, c in rows)
 
 
-def preset_training(device: torch.device, small: bool) -> dict[str, Any]:
-    """bf16-autocast steps of k3-model's ``small`` preset (``tiny`` for the CPU smoke run),
-    with QK-Clip observing and applying and the MoE balancer active, as the trainer runs it."""
-    from k3_model import K3Model, flops_per_token, preset
-    from k3_qkclip import QKClip, QKClipPolicy
+def _run_section(name: str, ctx: Context) -> bool:
+    """Run one section into ``ctx.results[name]``; False when it raised."""
+    out: dict[str, Any] = {}
+    ctx.results[name] = out
+    if name in NEEDS_K3_MODEL:
+        if importlib.util.find_spec("k3_model") is None:
+            out["skipped"] = "needs k3-model: pip install -e packages/k3-model"
+            ctx.log(f"{name}: skipped: {out['skipped']}")
+            return True
+        import gpu_check_k3  # this script's sibling; imports k3_model inside its sections
 
-    name, batch, seq = ("tiny", 2, 32) if small else ("small", 16, 1024)
-    torch.manual_seed(0)
-    model = K3Model(preset(name)).to(device)
-    opt = MuonAdamW(build_parameter_groups(model, per_head=model.muon_per_head()), lr=3e-3)
-    vocab = model.config.vocab_size
-    x = torch.randint(0, vocab, (batch, seq + 1), device=device)
-    losses: list[torch.Tensor] = []
-    opt_time: list[float] = []
-    with QKClip(model, QKClipPolicy(tau=100.0)) as qk:
-
-        def step() -> None:
-            qk.reset()
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                _, loss = model(x[:, :-1], targets=x[:, 1:])
-            loss.backward()
-            losses.append(loss.detach())
-            qk.validate()
-            opt_time.append(cuda_time(opt.step, 1, warmup=0))
-            qk.apply()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(2):
-            step()
-        opt_time.clear()
-        t_step = cuda_time(step, 5, warmup=0)
-    assert all(p.dtype == torch.float32 for p in model.parameters()), "masters must stay fp32"
-    values = [float(v) for v in losses]
-    tokens = batch * seq
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
-    flops = flops_per_token(model.config, seq) * tokens
-    mfu = flops / t_step / (peak * 1e12) if peak else None
-    share = sorted(opt_time)[len(opt_time) // 2] / t_step
-    print(f"k3-model {name} preset, bf16 autocast + QK-Clip + MoE ({batch}x{seq}): "
-          f"{t_step * 1e3:.1f} ms/step, {tokens / t_step:,.0f} tok/s, optimizer {share:.1%}, "
-          f"MFU {'unknown device' if mfu is None else f'{mfu:.1%}'}, "
-          f"loss {values[0]:.3f} -> {values[-1]:.3f}, finite {all(map(math.isfinite, values))}")
-    return {"preset": name, "step_s": t_step, "tokens_per_s": tokens / t_step, "mfu": mfu,
-            "optimizer_share": share, "losses": values}
+        fns: dict[str, Callable[[Context, dict[str, Any]], None]] = {
+            "kda": gpu_check_k3.kda,
+            "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device))}
+    else:
+        fns = {"ns_correctness": check_ns, "ns_throughput": ns_throughput,
+               "optimizer_step": optimizer_step}
+    started = time.perf_counter()
+    ctx.log(f"{name}: start")
+    try:
+        fns[name](ctx, out)
+    except Exception:  # report every section, then fail at the end
+        traceback.print_exc()
+        out["error"] = traceback.format_exc(limit=4)
+        return False
+    finally:
+        out["seconds"] = time.perf_counter() - started
+        ctx.save()
+    return True
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", help="write the results to this JSON file")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the results to this JSON file")
+    parser.add_argument("--markdown", type=Path, help="write the summary table here too")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="sections to run (default: all)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes even on CUDA (always so without CUDA)")
+    parser.add_argument("--time-limit", type=float, default=330.0,
+                        help="seconds; parts that would start too late are skipped (330)")
+    parser.add_argument("--batch", type=int, default=4, help="train: batch size (4)")
+    parser.add_argument("--seq", type=int, default=4096, help="train: sequence length (4096)")
+    parser.add_argument("--steps", type=int, default=5, help="train: timed steps (5)")
+    parser.add_argument("--checkpointing", choices=("none", "block"), default="none",
+                        help="train: activation checkpointing (none)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="train: eager only")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    if cuda:
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    else:
-        print("CUDA is not available: skipping the CUDA checks; running a small CPU smoke run")
-    results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    smoke = args.smoke or not cuda
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device),
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": smoke,
+        "time_limit_s": args.time_limit, "sections": args.sections}
+    for path in (args.json, args.markdown):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    options = {"batch": args.batch, "seq": args.seq, "steps": args.steps,
+               "checkpointing": args.checkpointing, "compile": args.compile}
+    ctx = Context(device, smoke, time.perf_counter() + args.time_limit, options, results,
+                  (args.json, args.markdown))
+    ctx.log(f"device {results['device_name']}, torch {torch.__version__}"
+            + ("" if not smoke else " (smoke sizes" + ("" if cuda else ", no CUDA") + ")"))
     failures = 0
-    for name, fn in (("ns_correctness", check_ns), ("ns_throughput", ns_throughput),
-                     ("optimizer_step", optimizer_step), ("bf16_training", bf16_training),
-                     ("preset_training", preset_training)):
-        try:
-            results[name] = fn(device, not cuda)
-        except Exception:  # report every section, then fail at the end
-            failures += 1
-            traceback.print_exc()
-            results[name] = {"error": traceback.format_exc(limit=3)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    selected = [name for name in SECTIONS if name in args.sections]
+    for name in selected:
+        ctx.reserve = TRAIN_RESERVE_S if "train" in selected and name != "train" else 0.0
+        if not smoke and not ctx.has(5):
+            results[name] = {"skipped": "time limit"}
+            ctx.log(f"{name}: skipped (time limit)")
+            continue
+        failures += not _run_section(name, ctx)
+    ctx.save()
+    print("\n" + markdown(results), flush=True)
     raise SystemExit(1 if failures else 0)
 
 

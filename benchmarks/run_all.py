@@ -24,6 +24,9 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("checkpoint", "bench_checkpoint.py", []),
     ("trainer", "bench_trainer.py", []),
     ("presets", "bench_presets.py", []),
+    ("data", "bench_data.py", []),
+    ("model", "bench_model.py", []),
+    ("compile", "bench_compile.py", ["--presets", "tiny"]),
     ("gpu_check", "gpu_check.py", None),  # CUDA checks, or a CPU smoke run without CUDA
 ]
 

@@ -129,10 +129,8 @@ def test_library_save_reports_the_oserror_and_keeps_the_previous_file(tmp_path, 
     _disk_full_at(monkeypatch, 1, like_torch=True)
     with pytest.raises(OSError) as raw:
         k3_checkpoint.save_checkpoint(
-            tmp_path / "ck.pt", model=model, optimizer=opt, loaders={"train": tl, "val": vl},
-            counters={"step": 2, "tokens_seen": 0, "skipped_updates": 0},
-            train_config=config.to_dict(), model_config=model.config.to_dict(),
-            vocab_size=256)
+            tmp_path / "ck.pt", {"model": model, "optimizer": opt, "train": tl, "val": vl},
+            {"train_config": config.to_dict(), "model_config": model.config.to_dict()})
     assert raw.value.errno == errno.ENOSPC and str(raw.value.filename).endswith("ck.pt.tmp")
     assert (tmp_path / "ck.pt").read_bytes() == before
     assert TrainState(step=2).step == read_payload(tmp_path / "ck.pt")["counters"]["step"]

@@ -154,6 +154,11 @@ def _loader_past_end(payload: dict) -> None:
     payload["loaders"]["train"]["offset"] = 10**12
 
 
+def _loaders_swapped(payload: dict) -> None:
+    loaders = payload["loaders"]
+    loaders["train"], loaders["val"] = loaders["val"], loaders["train"]
+
+
 # name: (make the hostile file, what the one-line reason must contain)
 CASES = {
     "intact": (_doctored(lambda payload: None), None),
@@ -171,14 +176,26 @@ CASES = {
     "malicious-torch-zip": (_pickle_in_torch_zip, "weights_only"),
     "malicious-behind-valid-header": (_pickle_behind_valid_header, "weights_only"),
     "other-model-config": (_foreign("model-config"), "incompatible model_config"),
-    "other-vocab": (_foreign("vocab"), "incompatible vocab_size"),
-    "other-data-manifest": (_foreign("data-manifest"), "loader 'train' identity differs"),
+    "other-vocab": (_foreign("vocab"), "incompatible vocab_size — vocab_size: checkpoint 512"),
+    "other-data-manifest": (_foreign("data-manifest"),
+                            "loaders.train refused its saved state (DataError: loader state "
+                            "belongs to different data"),
     "other-optimizer-layout": (_doctored(_layout), "incompatible optimizer_layout"),
     "other-optimizer-type": (_doctored(_optimizer_type), "incompatible optimizer_type"),
     "other-qk-clip-geometry": (_doctored(_geometry), "incompatible qk_clip"),
     "other-train-config": (_doctored(_train_config), "train_config.peak_lr"),
     "negative-counter": (_doctored(_negative_counter), "tokens_seen=-1"),
-    "loader-past-its-data": (_doctored(_loader_past_end), "loader 'train'"),
+    "no-counters": (_doctored(lambda p: p.pop("counters")),
+                    "counters.step in the checkpoint is <missing>"),
+    "counters-not-a-mapping": (_doctored(lambda p: p.update(counters="step=2")),
+                               "counters.step in the checkpoint is <missing>"),
+    "counter-missing": (_doctored(lambda p: p["counters"].pop("tokens_seen")),
+                        "counters lack ['tokens_seen']"),
+    "loaders-swapped": (_doctored(_loaders_swapped),
+                        "loaders.train refused its saved state (DataError: loader state "
+                        "belongs to split 'val'"),
+    "loader-past-its-data": (_doctored(_loader_past_end), "loader offset 1000000000000 is "
+                                                           "outside split 'train'"),
 }
 
 

@@ -15,10 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from harness import SMALL_TRAIN, toml_text, tree_bytes
 
+from k3_checkpoint import read_payload
 from k3_trainer import ConfigError, DataError, TokenDataLoader, TrainConfig, prepare_dataset
 from k3_trainer.cli import main
+from k3_trainer.metrics import read_events
 
 
 def _cli(argv, capsys) -> tuple[int, list[str]]:
@@ -105,7 +108,7 @@ DATA_CASES = {
                           "is not valid JSON"),
     "manifest-missing": (lambda d: (d / "manifest.json").unlink(), "manifest.json not found"),
     "manifest-other-format": (_edit(lambda m: m.update(format="k3-tokens/9")),
-                              "is not a k3-tokens/1 manifest"),
+                              "is not a k3-tokens/2 manifest"),
     "manifest-without-val-split": (_edit(lambda m: m["splits"].pop("val")), "no split 'val'"),
 }
 
@@ -185,11 +188,13 @@ INVALID_VALUES = [
     ("log_interval", 0), ("eval_interval", 0), ("checkpoint_interval", 0),
     ("eval_batches", 0), ("precision", "fp8"), ("qk_clip_tau", 0.0), ("qk_clip_tau", NAN),
     ("qk_clip_tau", -30.0), ("qk_clip_gqa", "all"), ("seed", -1),
+    ("activation_checkpointing", "layer"), ("activation_checkpointing", "full"),
 ]
 WRONG_TYPES = [
     ("batch_size", 4.0), ("batch_size", True), ("batch_size", "4"), ("max_steps", 1.5),
     ("peak_lr", "3e-3"), ("peak_lr", True), ("muon_nesterov", 1), ("qk_clip_enabled", "yes"),
     ("overfit_batch", None), ("precision", 16), ("warmup_steps", 2.5), ("seed", None),
+    ("compile", "yes"), ("compile", 1),
 ]
 
 
@@ -324,7 +329,6 @@ def test_bad_resumes_leave_the_run_untouched(tmp_path, finished_run, capsys):
     resume = ["train", "--run-dir", run, "--resume"]
     cases = [
         ([*resume, "--max-steps", 1], "max_steps"),
-        ([*resume], "complete at step 2"),
         ([*resume, "--max-steps", 4, "--peak-lr", 0.1], "train_config.peak_lr"),
         ([*resume, "--max-steps", 4, "--decay-steps", 9], "train_config.decay_steps"),
         (["train", "--run-dir", run, "--data", finished_run.parent], "already holds a run"),
@@ -357,19 +361,40 @@ def test_a_damaged_run_record_is_refused(tmp_path, finished_run, capsys, damage,
     assert tree_bytes(run) == before
 
 
-def test_a_run_stopped_before_its_first_checkpoint_is_explained(tmp_path, finished_run,
-                                                                capsys):
+def test_resuming_a_complete_run_succeeds_with_nothing_to_do(tmp_path, finished_run, capsys):
+    """A supervisor that restarts with --resume until success (a requeued job, a shell
+    `until` loop) must terminate: a complete run is a success, in one line, untouched."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = tree_bytes(run)
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["k3-train: run already complete at step 2; nothing to do "
+                                    "(raise --max-steps to extend it)"]
+    assert tree_bytes(run) == before
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(
+        tmp_path, finished_run, capsys):
     """run.json and metrics.jsonl but no checkpoint (killed or failed before the first
-    save): neither a fresh run nor --resume points the user in a circle."""
+    save): --resume has nothing to lose, so it starts the recorded run from scratch."""
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     (run / "checkpoint.pt").unlink()
-    code, err = _cli(["train", "--run-dir", run, "--resume", "--max-steps", 4], capsys)
-    _assert_refused(code, err, "has no checkpoint yet")
-    assert "pass --resume" not in err[0]
     code, err = _cli(["train", "--run-dir", run, "--data", run.parent], capsys)
     _assert_refused(code, err, "stopped before its first checkpoint")
-    assert "pass --resume" not in err[0]
+    assert "pass --resume to start it again" in err[0]
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "stopped before its first checkpoint; nothing to resume, so the run starts from " \
+        "scratch" in err
+    events = read_events(run / "metrics.jsonl")
+    starts = [e for e in events if e["event"] == "session_start"]
+    assert len(starts) == 1 and starts[0]["step"] == 0  # the dead session's events are gone
+    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 2
+    fresh = read_payload(finished_run / "checkpoint.pt")
+    for key, tensor in fresh["model"].items():  # the recorded recipe, bitwise
+        assert torch.equal(tensor, read_payload(run / "checkpoint.pt")["model"][key]), key
 
 
 def test_shards_are_prepared_read_only(data_dir):

@@ -18,7 +18,7 @@ from harness import Inject, assert_bitwise_equal, build, train_config
 
 from k3_checkpoint import read_payload
 from k3_model import K3Model
-from k3_trainer import TrainState, load_checkpoint, read_events, train
+from k3_trainer import FP16SkipHarness, TrainState, load_checkpoint, read_events, train
 from k3_trainer import runner as k3_runner
 from k3_trainer.cli import main
 
@@ -119,7 +119,7 @@ def test_non_finite_qk_observation_is_refused_before_any_weight_changes(kind, tm
 
 
 def _scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    return FP16SkipHarness(init_scale=2.0**10, growth_interval=1000)
 
 
 def test_32_consecutive_skips_raise_and_keep_the_last_checkpoint(tmp_path, data_dir):

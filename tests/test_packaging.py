@@ -28,7 +28,7 @@ environment and a working directory outside the repository; what each step catch
    a module missing from its wheel, a missing ``py.typed``, and a broken optimizer.
    The same script run against a copy of the wheel that imports ``k3_qkclip`` must fail:
    the negative case, proved on every run.
-4. ``numpy`` and ``tqdm`` from the usual index, then ``pip install --no-index
+4. ``numpy``, ``tqdm`` and ``tokenizers`` from the usual index, then ``pip install --no-index
    --find-links DIST k3-trainer``: the four siblings must come from DIST at exactly the
    pinned version. Catches a pin that DIST cannot satisfy (a sibling not built, a pin
    on another version). A new third-party dependency also stops it here: install it
@@ -328,7 +328,8 @@ def test_wheels_install_and_work_outside_the_workspace(dist: Path, tmp_path: Pat
         result.stdout + result.stderr)
 
     # 4. The trainer, its siblings offline from DIST at the pinned version.
-    _run([python, "-m", "pip", "install", "--quiet", "numpy>=1.24", "tqdm>=4.60"],
+    _run([python, "-m", "pip", "install", "--quiet", "numpy>=1.24", "tqdm>=4.60",
+          "tokenizers>=0.19"],
          cwd=outside, env=env)
     install = _run([python, "-m", "pip", "install", "--no-index", "--find-links", dist,
                     "k3-trainer"], cwd=outside, env=offline).stdout

@@ -28,7 +28,7 @@ from harness import (
 )
 
 from k3_checkpoint import capture_rng, read_payload
-from k3_trainer import TrainState, load_checkpoint, read_events, train
+from k3_trainer import FP16SkipHarness, TrainState, load_checkpoint, read_events, train
 from k3_trainer.cli import main
 
 # name: (extra flags for every run, total steps, interruption points, config-file options)
@@ -116,7 +116,10 @@ def _check_row(row: str, payload: dict, run_dir, steps: int) -> None:
     if row == "qk-clip-clipping":
         events = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "train"]
         clipped = {e["step"] for e in events if e["qk_heads_clipped"] > 0}
-        assert clipped == set(range(1, steps + 1)), clipped  # every session clipped
+        # Every session clipped. Not every step: right after a clip the logits sit at τ,
+        # and the next batch may stay under it in every head (the hybrid model has one
+        # softmax layer of two heads).
+        assert 1 in clipped and clipped & set(range(3, steps + 1)), clipped
     if row == "moe-preset-tiny":
         assert payload["model_config"]["d_model"] == 128 and payload["model_config"]["mlp"] == "moe"
         assert payload["model_config"]["moe_balance"] is True
@@ -135,18 +138,28 @@ def test_cli_max_steps_raised_on_resume_keeps_the_schedule(tmp_path, data_dir, s
                                                            capsys):
     """A finished run extended with a larger --max-steps continues the recorded schedule
     (warmup and decay resolved from the first max_steps and stored), bitwise equal to a
-    continuous run with that schedule."""
+    continuous run with that schedule. Both decisions are said, in one line each: the
+    first session names the horizon it fixed, the extension says the LR stays at its
+    floor; resuming the complete run is a success with nothing to do."""
     common = ["--data", data_dir, "--config", small_toml]
     short, continuous = tmp_path / "short", tmp_path / "continuous"
+    capsys.readouterr()
     assert _main("train", "--run-dir", short, *common, "--max-steps", 4) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "decay_steps=4" in notes[0] and "--decay-steps" in notes[0]
     record = json.loads((short / "run.json").read_text())
     assert (record["train_config"]["warmup_steps"], record["train_config"]["decay_steps"]) == (
         0, 4)
-    capsys.readouterr()
-    assert _main("train", "--run-dir", short, "--resume") == 2
-    assert "complete at step 4" in capsys.readouterr().err
+    assert _main("train", "--run-dir", short, "--resume") == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == ("k3-train: run already complete at step 4; nothing to do "
+                               "(raise --max-steps to extend it)")
     extended = k3_train("train", "--run-dir", short, "--resume", "--max-steps", 7)
     assert extended.returncode == 0, extended.stderr
+    notes = [line for line in extended.stderr.splitlines() if "note:" in line]
+    assert len(notes) == 1, extended.stderr
+    floor = 3e-3 * 0.1  # the toml's peak_lr times the default min_lr_ratio
+    assert "decay_steps=4" in notes[0] and f"{floor:.4g}" in notes[0] and "step 4" in notes[0]
     assert _main("train", "--run-dir", continuous, *common, "--max-steps", 7,
                  "--warmup-steps", 0, "--decay-steps", 4) == 0
 
@@ -162,7 +175,7 @@ def test_cli_max_steps_raised_on_resume_keeps_the_schedule(tmp_path, data_dir, s
 
 def _scaler(init_scale: float = 2.0**10) -> torch.amp.GradScaler:
     # growth_interval=2: the scale also grows, so the growth tracker must survive the resume
-    return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+    return FP16SkipHarness(init_scale=init_scale, growth_interval=2)
 
 
 def test_fp16_style_skip_in_the_middle_resumes_bitwise(tmp_path, data_dir):

@@ -6,7 +6,8 @@ import pytest
 import torch
 from trainer_helpers import SMALL_MODEL, build, fingerprint, train_config
 
-from k3_checkpoint import CheckpointError
+from k3_checkpoint import CheckpointError, read_payload
+from k3_checkpoint.payload import write_payload
 from k3_trainer import (
     MetricsLog,
     TokenDataLoader,
@@ -17,6 +18,7 @@ from k3_trainer import (
     save_checkpoint,
     train,
 )
+from k3_trainer.checkpointing import resume_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +118,101 @@ def test_evaluate_is_token_weighted_and_changes_nothing(data_dir):
             manual.append(float(model(x, targets=y)[1]))
     assert loss == pytest.approx(sum(manual) / 3, rel=1e-6)
     assert vl.offset == 3 * vl.tokens_per_batch  # validation restarts from zero each time
+
+
+def _forged(saved, tmp_path, change):
+    """A copy of ``saved`` whose payload ``change`` edited, behind a valid header and digest."""
+    path = tmp_path / "forged.pt"
+    payload = read_payload(saved)
+    change(payload)
+    write_payload(path, payload)
+    return path
+
+
+def test_swapped_loaders_are_refused_without_mutation(saved, data_dir, tmp_path):
+    """A loader's identity is its data and its split: the train cursor never moves val."""
+    def swap(payload):
+        loaders = payload["loaders"]
+        loaders["train"], loaders["val"] = loaders["val"], loaders["train"]
+
+    config = train_config(max_steps=6, decay_steps=3)
+    model, opt, tl, vl = _moved(config, data_dir)
+    before = fingerprint(model, opt, [tl, vl])
+    with pytest.raises(CheckpointError, match=r"loaders\.train refused.*belongs to split 'val'"):
+        load_checkpoint(_forged(saved, tmp_path, swap), model, opt, config, tl, vl)
+    assert fingerprint(model, opt, [tl, vl]) == before
+
+
+def _set_counter(**values):
+    return lambda payload: payload["counters"].update(values)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda p: p.pop("counters"), r"counters\.step in the checkpoint is <missing>"),
+    (lambda p: p.update(counters=None), r"counters\.step in the checkpoint is <missing>"),
+    (lambda p: p.update(counters=[3, 0, 0]), r"counters\.step in the checkpoint is <missing>"),
+    (lambda p: p["counters"].pop("step"), r"counters\.step in the checkpoint is <missing>"),
+    (_set_counter(step="3"), r"counters\.step in the checkpoint is '3'"),
+    (_set_counter(step=True), r"counters\.step in the checkpoint is True"),
+    (lambda p: p["counters"].pop("tokens_seen"), r"counters lack \['tokens_seen'\]"),
+    (_set_counter(tokens_seen=-1), r"non-negative integers: tokens_seen=-1"),
+    (_set_counter(skipped_updates=1.5), r"non-negative integers: skipped_updates=1\.5"),
+    (_set_counter(fixed_batch_offset="0"), r"non-negative integers: fixed_batch_offset='0'"),
+    (lambda p: p.update(grad_scaler=[1.0]), r"grad_scaler must be a mapping or None, got list"),
+], ids=["no-counters", "none", "list", "no-step", "str-step", "bool-step", "no-tokens",
+        "negative", "float", "str-offset", "scaler-list"])
+def test_malformed_counters_are_refused_by_name_without_mutation(saved, data_dir, tmp_path,
+                                                                 change, match):
+    config = train_config(max_steps=6, decay_steps=3)
+    model, opt, tl, vl = _moved(config, data_dir)
+    before = fingerprint(model, opt, [tl, vl])
+    with pytest.raises(CheckpointError, match=match) as refused:
+        load_checkpoint(_forged(saved, tmp_path, change), model, opt, config, tl, vl)
+    assert "\n" not in str(refused.value)
+    assert fingerprint(model, opt, [tl, vl]) == before
+
+
+def test_fixed_batch_offset_must_name_a_complete_batch(saved, data_dir, tmp_path):
+    config = train_config(max_steps=6, decay_steps=3, overfit_batch=True)
+    model, opt, tl, vl = _moved(config, data_dir)
+    before = fingerprint(model, opt, [tl, vl])
+    def past_the_data(payload):
+        payload["train_config"]["overfit_batch"] = True
+        payload["counters"]["fixed_batch_offset"] = tl.num_tokens
+
+    forged = _forged(saved, tmp_path, past_the_data)
+    with pytest.raises(CheckpointError, match="does not name a complete batch"):
+        load_checkpoint(forged, model, opt, config, tl, vl)
+    assert fingerprint(model, opt, [tl, vl]) == before
+
+
+def test_runtime_change_is_refused_unless_allowed_and_then_reported(saved, data_dir, tmp_path):
+    def elsewhere(payload):
+        payload["runtime"].update(torch_version="2.0.0", num_threads=97)
+
+    forged = _forged(saved, tmp_path, elsewhere)
+    config = train_config(max_steps=6, decay_steps=3)
+    model, opt, tl, vl = _moved(config, data_dir)
+    before = fingerprint(model, opt, [tl, vl])
+    with pytest.raises(CheckpointError, match=r"runtime\.num_threads: checkpoint 97"):
+        load_checkpoint(forged, model, opt, config, tl, vl)
+    assert fingerprint(model, opt, [tl, vl]) == before
+
+    resumed = resume_checkpoint(forged, model, opt, config, tl, vl, allow_runtime_change=True)
+    assert resumed.state.step == 3
+    assert resumed.runtime_changes == {
+        "runtime.num_threads": (97, torch.get_num_threads()),
+        "runtime.torch_version": ("2.0.0", str(torch.__version__)),
+    }
+    assert resume_checkpoint(saved, model, opt, config, tl, vl,
+                             allow_runtime_change=True).runtime_changes == {}
+
+
+def test_allowing_runtime_change_keeps_the_run_settings_strict(saved, data_dir, tmp_path):
+    """Determinism and dtype are choices of the run, not of the machine."""
+    forged = _forged(saved, tmp_path,
+                     lambda p: p["runtime"].update(deterministic_algorithms=True))
+    config = train_config(max_steps=6, decay_steps=3)
+    model, opt, tl, vl = _moved(config, data_dir)
+    with pytest.raises(CheckpointError, match=r"runtime\.deterministic_algorithms"):
+        load_checkpoint(forged, model, opt, config, tl, vl, allow_runtime_change=True)

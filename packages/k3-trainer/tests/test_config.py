@@ -37,6 +37,8 @@ BAD_VALUES = {
     "qk_clip_gqa": ["per_head"],
     "seed": [-1, 1.5],
     "overfit_batch": [None],
+    "compile": ["true", 1, None],
+    "activation_checkpointing": ["layer", True, None],
 }
 
 

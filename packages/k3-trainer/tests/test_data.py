@@ -72,7 +72,11 @@ def test_state_dict_round_trip_and_identity(corpus, tmp_path):
     b = TokenDataLoader(out, "train", 2, 64)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.next_batch()[0], b.next_batch()[0])
-    assert set(a.state_dict()) == {"offset", "manifest_digest"}
+    assert set(a.state_dict()) == {"offset", "manifest_digest", "split"}
+    val = TokenDataLoader(out, "val", 2, 64)
+    with pytest.raises(DataError, match=r"belongs to split 'train'.*reads split 'val'"):
+        val.load_state_dict(a.state_dict())  # the train cursor never moves the val loader
+    assert val.offset == 0
     src = tmp_path / "other.txt"
     src.write_text("something else entirely " * 100)
     other = TokenDataLoader(_prepared(src, tmp_path / "other"), "train", 2, 64)

@@ -11,6 +11,7 @@ from trainer_helpers import InjectAt, assert_same_state, build, train_config
 
 from k3_trainer import (
     ConfigError,
+    FP16SkipHarness,
     MetricsLog,
     TrainState,
     learning_rate_at_step,
@@ -101,7 +102,7 @@ def test_qk_clip_applies_after_each_real_step(data_dir):
 
 
 def _scaler():
-    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    return FP16SkipHarness(init_scale=2.0**10, growth_interval=1000)
 
 
 def test_fp16_style_skip_consumes_data_but_not_the_schedule(data_dir):
@@ -125,17 +126,23 @@ def test_fp16_style_skip_consumes_data_but_not_the_schedule(data_dir):
 
 
 def test_32_consecutive_skips_raise(data_dir):
-    config = train_config(max_steps=5)
+    # tau so small that a clip applied after a skipped attempt would change the weights.
+    config = train_config(max_steps=5, qk_clip_tau=1e-4)
     model, opt, tl, vl = build(config, data_dir)
     weights = [p.detach().clone() for p in model.parameters()]
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("balancer.bias")}
+    assert biases
     state = TrainState()
     with pytest.raises(FloatingPointError, match="32 consecutive"):
         train(InjectAt(model, calls=set(range(1, 100))), opt, tl, vl, config, "cpu",
               state=state, grad_scaler=_scaler())
     assert state.step == 0 and state.skipped_updates == 32
     assert len(opt.state) == 0, "a skipped attempt must not create or change optimizer state"
-    # Parameters are untouched; the MoE balancer's buffers did move (they update in forward).
+    # Parameters are untouched (no optimizer step, no QK-Clip); the MoE balancer's buffers
+    # did move: they update in every training forward and a skip does not roll them back.
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    buffers = dict(model.named_buffers())
+    assert all(not torch.equal(biases[n], buffers[n]) for n in biases)
 
 
 def test_nonfinite_loss_raises_before_backward_and_counting(data_dir):
@@ -154,6 +161,17 @@ def test_precision_contracts(data_dir):
     model, opt, tl, vl = build(config, data_dir)
     with pytest.raises(ConfigError, match="fp16"):
         train(model, opt, tl, vl, config, "cpu")
+    # A scaler does not bypass the checks: fp16 stays refused on CPU, even with a harness.
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
+        train(model, opt, tl, vl, config, "cpu", grad_scaler=_scaler())
+    for precision in ("fp32", "bf16"):
+        plain = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        with pytest.raises(ConfigError, match="loss scaling is for fp16 only"):
+            train(model, opt, tl, vl, train_config(precision=precision), "cpu",
+                  grad_scaler=plain)
+    with pytest.raises(ConfigError, match="loss scaling is for fp16 only"):
+        train(model, opt, tl, vl, train_config(precision="bf16"), "cpu", grad_scaler=_scaler())
+    assert len(opt.state) == 0 and tl.offset == 0
     bf16 = train_config(precision="bf16")
     model, opt, tl, vl = build(bf16, data_dir)
     model.to(torch.bfloat16)
@@ -179,3 +197,52 @@ def test_data_with_a_larger_vocabulary_than_the_model_is_refused(data_dir):
     with pytest.raises(DataError, match=r"vocabulary \(256\) exceeds the model's vocab_size"):
         train(model, opt, tl, vl, config, "cpu")
     assert len(opt.state) == 0
+
+
+def test_cuda_bf16_without_hardware_support_is_refused(monkeypatch):
+    from k3_trainer import validate_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(ConfigError, match="bf16 needs native bf16 support"):
+        validate_precision("bf16", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    validate_precision("bf16", torch.device("cuda"))  # supported: accepted
+
+
+def test_nonfinite_gradient_with_finite_loss_ends_the_run(data_dir):
+    """fp32 has no scaler to skip an overflow: clip_grad_norm_ refuses it, before any step."""
+    config = train_config(max_steps=3)
+    model, opt, tl, vl = build(config, data_dir)
+    state = TrainState()
+    with pytest.raises(FloatingPointError, match="Non-finite gradient norm at step 2"):
+        train(InjectAt(model, calls={2}), opt, tl, vl, config, "cpu", state=state)
+    assert state.step == 1
+
+
+def test_max_grad_norm_zero_disables_clipping(data_dir):
+    """0 means "no clipping", not "clip to zero": one update equals one with a huge limit."""
+    results = []
+    for limit in (0.0, 1e12):
+        config = train_config(max_steps=1, max_grad_norm=limit)
+        model, opt, tl, vl, *_ = _run(config, data_dir)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    model0, *_ = build(train_config(), data_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(results[0], model0.parameters()))
+
+
+def test_an_exhausted_training_loader_restarts_from_offset_zero(tmp_path):
+    """The loop resets an exhausted loader (dropping the tail); the loader never wraps."""
+    from k3_trainer import prepare_dataset
+
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(60)))
+    prepare_dataset([str(text)], tmp_path / "data", val_fraction=0.2)
+    config = train_config(batch_size=4, seq_len=32, max_steps=1)
+    model, opt, tl, vl = build(config, tmp_path / "data")
+    batches = (tl.num_tokens - 1) // tl.tokens_per_batch
+    assert 2 <= batches <= 20
+    config = config.replace(max_steps=batches + 2, eval_interval=10_000, log_interval=10_000)
+    state = train(model, opt, tl, vl, config, "cpu")
+    assert state.step == batches + 2
+    assert tl.offset == 2 * tl.tokens_per_batch  # two batches read after the reset

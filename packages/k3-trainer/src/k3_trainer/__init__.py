@@ -11,11 +11,11 @@ from .checkpointing import (
 from .config import ConfigError, TrainConfig, TrainState
 from .data import DataError, DataExhausted, TokenDataLoader, read_manifest
 from .diagnostics import MoEDiagnostics
-from .evaluate import evaluate
+from .evaluate import EvalResult, evaluate, evaluate_split
 from .loop import train
 from .metrics import MetricsLog, read_events
 from .optim import build_optimizer
-from .precision import validate_precision
+from .precision import FP16SkipHarness, validate_precision
 from .prepare import builtin_corpus, prepare_dataset
 from .profiling import TrainingProfiler
 from .schedule import learning_rate_at_step
@@ -32,6 +32,8 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DataExhausted",
+    "EvalResult",
+    "FP16SkipHarness",
     "MetricsLog",
     "MoEDiagnostics",
     "TokenDataLoader",
@@ -43,6 +45,7 @@ __all__ = [
     "build_optimizer",
     "builtin_corpus",
     "evaluate",
+    "evaluate_split",
     "learning_rate_at_step",
     "load_checkpoint",
     "prepare_dataset",

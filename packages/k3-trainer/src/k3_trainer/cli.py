@@ -1,4 +1,5 @@
-"""The ``k3-train`` command: prepare data, train (fresh or ``--resume``), evaluate, inspect.
+"""The ``k3-train`` command: prepare data, train (fresh or ``--resume``), evaluate, sample,
+inspect.
 
 User errors (bad flag or config value, missing data, an incompatible or corrupt
 checkpoint, a run directory that already holds a run) print one line and exit with
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,7 +23,17 @@ from k3_checkpoint import CheckpointError
 
 from .config import ConfigError, TrainConfig
 from .data import DataError
-from .runner import RunError, run_eval, run_inspect, run_prepare, run_report, run_train
+from .distributed import MODES, launched_by_torchrun, prog_name, torchrun_command
+from .prepare import DEFAULT_SHARD_TOKENS
+from .runner import (
+    RunError,
+    run_eval,
+    run_inspect,
+    run_prepare,
+    run_report,
+    run_sample,
+    run_train,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -72,11 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="k3-train", description="One-device pretraining of K3-style models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    prepare = sub.add_parser("prepare", help="tokenize text files into a dataset folder")
+    prepare = sub.add_parser("prepare", help="tokenize a corpus into a dataset folder")
     prepare.add_argument("inputs", nargs="*", metavar="INPUT",
-                         help="UTF-8 text files (none: the built-in corpus)")
+                         help=".txt/.md, .jsonl[.gz|.zst], .parquet files or folders of them "
+                         "(none: the built-in corpus)")
     prepare.add_argument("--out", required=True, type=Path, help="dataset folder to create")
-    prepare.add_argument("--val-fraction", type=float, default=0.05)
+    prepare.add_argument("--val-fraction", type=float, default=0.05,
+                         help="every round(1/F)-th document is validation (default 0.05)")
+    prepare.add_argument("--tokenizer", default="bytes", metavar="bytes|PATH",
+                         help="bytes (default) or a tokenizers tokenizer.json")
+    prepare.add_argument("--train-tokenizer", type=_positive_int, metavar="VOCAB_SIZE",
+                         help="train a byte-level BPE of this size on the inputs")
+    prepare.add_argument("--tokenizer-sample", type=float, metavar="MB",
+                         help="train the tokenizer on the first MB of text (default: all)")
+    prepare.add_argument("--text-field", default="text",
+                         help="the text field of JSONL records / Parquet rows (default text)")
+    prepare.add_argument("--eod-token", metavar="TOKEN",
+                         help="end-of-document token of --tokenizer (default: a known name)")
+    prepare.add_argument("--workers", type=_positive_int, metavar="N",
+                         help="tokenizer processes (default: all cores)")
+    prepare.add_argument("--shard-tokens", type=_positive_int, metavar="N",
+                         help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS})")
 
     train = sub.add_parser("train", help="train a model, or continue one with --resume")
     train.add_argument("--run-dir", required=True, type=Path)
@@ -94,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trace attempts from this step with torch.profiler")
     train.add_argument("--profile-steps", type=int, default=3, metavar="N",
                        help="attempts in the trace window (default 3, at most 20)")
+    train.add_argument("--allow-runtime-change", action="store_true",
+                       help="with --resume: accept a checkpoint written under another torch "
+                       "version, thread count or device (logged as runtime_changed; bitwise "
+                       "continuation is then no longer promised)")
+    train.add_argument("--parallel", choices=MODES, default="none",
+                       help="data parallelism under torchrun: ddp (replicas) or fsdp "
+                       "(FSDP2 shards); --batch-size is per process (default none)")
+    train.add_argument("--nproc", type=_positive_int, metavar="N",
+                       help="launch N processes with torchrun on this machine (needs "
+                       "--parallel ddp|fsdp)")
     fields = train.add_argument_group("TrainConfig fields (override the config file)")
     for field in dataclasses.fields(TrainConfig):
         fields.add_argument(f"--{field.name.replace('_', '-')}", dest=f"cfg_{field.name}",
@@ -105,6 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batches", type=_positive_int,
                           help="validation batches (default: config)")
     evaluate.add_argument("--device", default="auto")
+
+    sample = sub.add_parser("sample", help="continue a prompt with a run's checkpoint")
+    sample.add_argument("--run-dir", required=True, type=Path)
+    sample.add_argument("--prompt", default="", help="text to continue (default: a new "
+                        "document)")
+    sample.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N")
+    sample.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                        help="0 = always the most likely token (default 0.8)")
+    sample.add_argument("--top-k", type=_positive_int, metavar="K")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--device", default="auto")
 
     inspect = sub.add_parser("inspect", help="summarize a checkpoint without loading it")
     inspect.add_argument("checkpoint", type=Path)
@@ -151,11 +200,40 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _launch(nproc: int, argv: list[str]) -> int:
+    """``k3-train train --nproc N``: rerun the same command under torchrun (without
+    ``--nproc``); torchrun's status is this command's."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    return subprocess.call(torchrun_command(nproc, rest))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train" and args.nproc is not None and not launched_by_torchrun():
+        if args.parallel == "none":
+            print("k3-train: error: --nproc needs --parallel ddp or --parallel fsdp",
+                  file=sys.stderr)
+            return 2
+        return _launch(args.nproc, list(sys.argv[1:] if argv is None else argv))
+    who = prog_name()
     try:
         if args.command == "prepare":
-            return run_prepare(args.inputs, args.out, args.val_fraction)
+            return run_prepare(args.inputs, args.out, val_fraction=args.val_fraction,
+                               tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer,
+                               tokenizer_sample_mb=args.tokenizer_sample,
+                               text_field=args.text_field, eod_token=args.eod_token,
+                               workers=args.workers, shard_tokens=args.shard_tokens)
+        if args.command == "sample":
+            return run_sample(args.run_dir, prompt=args.prompt,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, seed=args.seed, device=_device(args.device))
         if args.command == "inspect":
             return run_inspect(args.checkpoint)
         if args.command == "report":
@@ -168,18 +246,20 @@ def main(argv: list[str] | None = None) -> int:
                          resume=args.resume, preset=args.preset, overrides=overrides,
                          device=_device(args.device), report=args.report,
                          tensorboard=args.tensorboard, profile_start=args.profile_start,
-                         profile_steps=args.profile_steps)
+                         profile_steps=args.profile_steps,
+                         allow_runtime_change=args.allow_runtime_change,
+                         parallel=args.parallel)
     except (ConfigError, DataError, CheckpointError, RunError, FileNotFoundError) as exc:
-        print(f"k3-train: error: {exc}", file=sys.stderr)
+        print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
     except FloatingPointError as exc:
-        print(f"k3-train: training diverged: {exc}", file=sys.stderr)
+        print(f"{who}: training diverged: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # disk full, read-only run directory, ...: the environment
-        print(f"k3-train: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{who}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("k3-train: interrupted; continue from the last checkpoint with --resume",
+        print(f"{who}: interrupted; continue from the last checkpoint with --resume",
               file=sys.stderr)
         return 130
 

@@ -13,6 +13,7 @@ from k3_qkclip import GQA_MODES
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine")
 NS_DTYPES = ("auto", "bf16", "fp32", "fp64")
+ACTIVATION_CHECKPOINTING = ("none", "block")
 NS_COEFFICIENTS = tuple(COEFFICIENT_SETS)  # k3-optim's named sets
 # UPDATE_SCALES (k3-optim) and QK_CLIP_GQA_MODES (k3-qkclip) come from the packages that
 # implement them, so a mode added there is accepted here without a second list.
@@ -65,6 +66,9 @@ class TrainConfig:
     qk_clip_enabled: bool = True
     qk_clip_tau: float = 100.0
     qk_clip_gqa: str = "query_only"
+    # speed (no effect on the trajectory but compile's rounding; see k3_trainer.compiling)
+    compile: bool = False  # torch.compile each decoder block (regional); off by default
+    activation_checkpointing: str = "none"  # "block": recompute each block in backward
     # reproducibility and debugging
     seed: int = 1337
     overfit_batch: bool = False
@@ -90,14 +94,15 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
             _number(self, name, low=0.0, high=1.0)
         _number(self, "min_lr_ratio", low=0.0, high=1.0, high_closed=True)
-        for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch"):
+        for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, allowed in (("precision", PRECISIONS), ("lr_schedule", SCHEDULES),
                               ("muon_ns_dtype", NS_DTYPES),
                               ("muon_ns_coefficients", NS_COEFFICIENTS),
                               ("muon_update_scale", UPDATE_SCALES),
-                              ("qk_clip_gqa", QK_CLIP_GQA_MODES)):
+                              ("qk_clip_gqa", QK_CLIP_GQA_MODES),
+                              ("activation_checkpointing", ACTIVATION_CHECKPOINTING)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"

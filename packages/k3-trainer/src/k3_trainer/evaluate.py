@@ -1,7 +1,13 @@
-"""Fixed-prefix validation: the token-weighted mean loss over the first batches of a split."""
+"""Fixed-prefix validation: the token-weighted mean loss over the first batches of a split,
+and the same loss in bits per UTF-8 byte (comparable across tokenizers)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -11,36 +17,77 @@ from .data import DataExhausted, TokenDataLoader
 from .precision import autocast
 
 
+@dataclass(frozen=True)
+class EvalResult:
+    """``loss``: mean nats per scored target token (targets ``-100`` are not scored).
+    ``bytes``: UTF-8 bytes those targets stand for (None when the loader has no
+    bytes-per-token table)."""
+
+    loss: float
+    tokens: int
+    bytes: int | None
+
+    @property
+    def bpb(self) -> float | None:
+        """Bits per byte: ``loss / ln 2 × tokens / bytes``."""
+        if not self.bytes:
+            return None
+        return self.loss / math.log(2) * self.tokens / self.bytes
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: TokenDataLoader, device: torch.device | str,
-             max_batches: int, precision: str = "fp32") -> float:
-    """Mean token loss over up to ``max_batches`` full batches from the start of ``loader``.
+def evaluate_split(model: nn.Module, loader: TokenDataLoader, device: torch.device | str,
+                   max_batches: int, precision: str = "fp32", *,
+                   all_reduce: Callable[[torch.Tensor], object] | None = None) -> EvalResult:
+    """Loss over up to ``max_batches`` full batches from the start of ``loader``, with the
+    byte count of exactly the evaluated targets (from the dataset's bytes-per-token table).
 
     The loader is reset first (validation always reads the same prefix; its cursor is not
     restored afterwards). Python, NumPy and torch RNG are captured and restored, and the
     model's previous training flag comes back even on failure, so evaluation changes
     nothing the training run depends on.
+
+    Data parallel: each rank evaluates its rows of every batch and ``all_reduce`` (an
+    in-place sum over ranks) combines the sums, so every rank gets the global result.
     """
     device = torch.device(device)
+    table = getattr(loader, "token_bytes", None)
     rng = capture_rng()
     was_training = model.training
     model.eval()
     try:
         loader.reset()
-        total, tokens = 0.0, 0
+        total, tokens, nbytes = 0.0, 0, 0
         for _ in range(max_batches):
             try:
                 x, y = loader.next_batch()
             except DataExhausted:
                 break
+            scored = y >= 0  # target -100 is ignored by the loss, so it weighs nothing here
+            count = int(scored.sum())
+            if count == 0:
+                continue
+            if table is not None:
+                nbytes += int(np.asarray(table)[y[scored].numpy()].sum())
             x, y = x.to(device), y.to(device)
             with autocast(device, precision):
                 _, loss = model(x, targets=y)
-            total += float(loss) * y.numel()
-            tokens += y.numel()
+            total += float(loss) * count
+            tokens += count
+        if all_reduce is not None:
+            sums = torch.tensor([total, tokens, nbytes], dtype=torch.float64)
+            all_reduce(sums)
+            total, tokens, nbytes = sums[0].item(), int(sums[1].item()), int(sums[2].item())
         if tokens == 0:
-            raise ValueError("evaluate: the validation loader yielded no batch")
-        return total / tokens
+            raise ValueError("evaluate: the validation loader yielded no scored target")
+        return EvalResult(total / tokens, tokens, nbytes if table is not None else None)
     finally:
         model.train(was_training)
         restore_rng(rng)
+
+
+def evaluate(model: nn.Module, loader: TokenDataLoader, device: torch.device | str,
+             max_batches: int, precision: str = "fp32") -> float:
+    """Mean token loss over up to ``max_batches`` full batches from the start of ``loader``
+    (:func:`evaluate_split` without the byte count)."""
+    return evaluate_split(model, loader, device, max_batches, precision).loss

@@ -52,3 +52,61 @@ def autocast(device: torch.device, precision: str) -> Iterator[None]:
 def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """A GradScaler that is enabled only for fp16 (bf16 has fp32's exponent range)."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+def overflow_flag(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
+                  ) -> torch.Tensor | None:
+    """After ``scaler.unscale_(optimizer)``: a device scalar, non-zero when an inf/NaN was
+    found (so ``scaler.step`` will skip and ``update()`` will lower the scale); None when
+    the scaler is disabled. No host sync: the trainer reads it with the gradient norm.
+
+    GradScaler keeps these per-device flags in its per-optimizer state (a private
+    accessor, stable since torch 1.6); should a release move them, this fails loudly
+    rather than guess whether the update was skipped.
+    """
+    if not scaler.is_enabled():
+        return None
+    try:
+        found = scaler._found_inf_per_device(optimizer)  # private: see the docstring
+        flags = [f.reshape(()).float() for f in found.values()]
+    except (AttributeError, KeyError, TypeError):
+        flags = []
+    if not flags:
+        raise RuntimeError("GradScaler exposes no found-inf flags after unscale_(); this "
+                           "torch release is not supported by k3-trainer's skip detection")
+    return torch.stack([f.to(flags[0].device) for f in flags]).sum()
+
+
+class FP16SkipHarness(torch.amp.GradScaler):
+    """An enabled loss scaler for fp32 training: the FP16 overflow-skip path, on any device.
+
+    FP16 itself is refused on CPU, yet its skip path (scale, unscale, a dropped scale, a
+    skipped update that still consumed data, the GradScaler state in checkpoints) must be
+    testable there. ``train()`` accepts this scaler, and only this one, with
+    ``precision="fp32"``: the arithmetic stays fp32 while the scaler behaves as under FP16
+    (inject an infinite gradient to make it skip). It is a harness for tests and fault
+    drills, named so that no other scaler slips past the precision checks.
+    """
+
+    def __init__(self, device: str = "cpu", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                         enabled=True)
+
+
+def validate_grad_scaler(scaler: torch.amp.GradScaler, precision: str) -> None:
+    """A scaler passed to ``train()`` must fit the precision: enabled exactly for fp16, or
+    the named :class:`FP16SkipHarness` with fp32. Anything else would train a different
+    recipe than the config (and the checkpoint) says."""
+    if precision == "fp16" and not scaler.is_enabled():
+        raise ConfigError("precision fp16 needs an enabled GradScaler (without loss scaling "
+                          "small fp16 gradients underflow to zero)")
+    if precision != "fp16" and scaler.is_enabled():
+        if isinstance(scaler, FP16SkipHarness) and precision == "fp32":
+            return
+        raise ConfigError(
+            f"an enabled GradScaler was passed with precision {precision}: loss scaling is for "
+            "fp16 only; to exercise the FP16 skip path in fp32 use "
+            "k3_trainer.FP16SkipHarness with precision='fp32'")

@@ -81,6 +81,10 @@ def write_report(run_dir: str | Path) -> Path:
              [("train", tokens, [e.get("loss") for e in train]),
               ("validation", [e["tokens_seen"] for e in evals],
                [e.get("val_loss") for e in evals])]),
+        plot("val_bpb", "Validation bits per byte (comparable across tokenizers)",
+             "tokens seen", "bits per UTF-8 byte",
+             [("validation", [e["tokens_seen"] for e in evals],
+               [e.get("val_bpb") for e in evals])]),
         plot("lr", "Learning rate", "step", "LR", [("lr", steps, [e.get("lr") for e in train])]),
         plot("grad_norm", "Gradient norm (pre-clip)", "step", "L2 norm",
              [("window mean", steps, [e.get("grad_norm") for e in train]),
@@ -100,6 +104,8 @@ def write_report(run_dir: str | Path) -> Path:
              ("last train loss", f"{last.get('loss', float('nan')):.4f}")]
     if evals:
         facts.append(("last validation loss", f"{evals[-1].get('val_loss', float('nan')):.4f}"))
+        if isinstance(evals[-1].get("val_bpb"), float):
+            facts.append(("last validation bits per byte", f"{evals[-1]['val_bpb']:.4f}"))
     if last.get("mfu") is not None:
         facts.append(("MFU (last window)", f"{last['mfu']:.1%}"))
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"

@@ -56,7 +56,8 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
 
 def write_run_record(run_dir: str | Path, *, train_config: dict[str, Any],
                      model_config: dict[str, Any], preset: str | None, data_dir: str,
-                     manifest_digest: str, device: str, resumed_from_step: int | None) -> None:
+                     manifest_digest: str, device: str, resumed_from_step: int | None,
+                     data_parallel: dict[str, Any] | None = None) -> None:
     """Create or extend ``run.json`` (one entry per session), written atomically."""
     path = Path(run_dir) / RUN_RECORD
     record: dict[str, Any]
@@ -71,6 +72,7 @@ def write_run_record(run_dir: str | Path, *, train_config: dict[str, Any],
         "command": sys.argv,
         "resumed_from_step": resumed_from_step,
         "device": device,
+        **({"data_parallel": data_parallel} if data_parallel is not None else {}),
         "versions": versions(),
         "host": host(),
     })

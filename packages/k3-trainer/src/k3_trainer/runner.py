@@ -20,19 +20,28 @@ import k3_checkpoint
 from k3_model import K3Config, K3Model
 from k3_model import preset as model_preset
 
-from .checkpointing import load_checkpoint
+from .checkpointing import load_checkpoint, resume_checkpoint
 from .config import ConfigError, TrainConfig, TrainState
-from .data import TokenDataLoader, check_vocab_fits
-from .evaluate import evaluate
+from .data import MANIFEST_FORMAT, TokenDataLoader, check_vocab_fits
+from .distributed import Parallel, init_parallel, set_balancer_gather, shutdown
+from .evaluate import evaluate_split
 from .loop import train
 from .metrics import MetricsLog
 from .optim import build_optimizer
 from .precision import validate_precision
-from .prepare import prepare_dataset
+from .prepare import (
+    DEFAULT_SHARD_TOKENS,
+    default_workers,
+    describe_prepared,
+    prepare_dataset,
+)
 from .profiling import TrainingProfiler
 from .report import require_matplotlib, write_report
 from .run import read_run_record, write_run_record
+from .sample import sample_text
+from .schedule import horizon_notes
 from .sinks import TensorBoardSink
+from .tokenizer import load_codec
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -52,7 +61,8 @@ def seed_everything(seed: int) -> None:
 def builtin_data_dir() -> Path:
     """Where the built-in corpus is prepared once (per Python version: its text differs)."""
     root = os.environ.get("K3_TRAIN_CACHE") or Path.home() / ".cache" / "k3-train"
-    return Path(root) / f"builtin-pydoc-py{sys.version_info[0]}.{sys.version_info[1]}"
+    version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    return Path(root) / f"builtin-pydoc-{version}-{MANIFEST_FORMAT.replace('/', '')}"
 
 
 def resolve_data(data: Path | None) -> Path:
@@ -105,10 +115,13 @@ def _read_record(run_dir: Path) -> dict[str, Any]:
     return record
 
 
-def run_prepare(inputs: list[str], out: Path, val_fraction: float) -> int:
-    manifest = prepare_dataset(inputs, out, val_fraction=val_fraction)
-    counts = {k: sum(s["tokens"] for s in v) for k, v in manifest["splits"].items()}
-    print(f"prepared {out}: " + ", ".join(f"{k} {n:,} tokens" for k, n in counts.items()))
+def run_prepare(inputs: list[str], out: Path, *, workers: int | None = None,
+                shard_tokens: int | None = None, **options: Any) -> int:
+    """``k3-train prepare``: ``options`` are :func:`prepare_dataset`'s keyword arguments."""
+    manifest = prepare_dataset(inputs, out, workers=workers or default_workers(),
+                               shard_tokens=shard_tokens or DEFAULT_SHARD_TOKENS,
+                               progress=sys.stderr.isatty(), **options)
+    print(describe_prepared(out, manifest))
     return 0
 
 
@@ -118,51 +131,99 @@ def run_inspect(checkpoint: Path) -> int:
 
 
 class _Session:
-    """Model, optimizer and loaders built from resolved configs (nothing written yet)."""
+    """Model, optimizer and loaders built from resolved configs (nothing written yet).
+
+    Data parallel: the loaders read this rank's rows, every rank initializes the same
+    model from the seed, which is then sharded or replicated before the optimizer is
+    built (FSDP2 parameters become DTensors; DDP asks Muon for one owner per matrix).
+    """
 
     def __init__(self, config: TrainConfig, model_config: K3Config, data_dir: Path,
-                 device: torch.device) -> None:
-        self.train_loader = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len)
-        self.val_loader = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len)
+                 device: torch.device, parallel: Parallel | None = None) -> None:
+        rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
+        self.train_loader = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len,
+                                            rank=rank, world_size=world)
+        self.val_loader = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len,
+                                          rank=rank, world_size=world)
         check_vocab_fits(self.train_loader, model_config.vocab_size)
         if config.seq_len > model_config.max_seq_len:
             raise ConfigError(f"seq_len {config.seq_len} exceeds the model's max_seq_len "
                               f"{model_config.max_seq_len}")
         seed_everything(config.seed)
         self.model = K3Model(model_config).to(device)
-        self.optimizer = build_optimizer(self.model, config)
+        if parallel is None:
+            self.optimizer = build_optimizer(self.model, config)
+            return
+        if parallel.mode == "fsdp":  # what checkpoints gather into; draws no RNG of the run's
+            rng = k3_checkpoint.capture_rng()
+            replica = K3Model(model_config).to(device)
+            parallel.replica = replica, build_optimizer(replica, config)
+            k3_checkpoint.restore_rng(rng)
+        parallel.wrap(self.model)
+        self.optimizer = build_optimizer(self.model, config,
+                                         distributed=True if parallel.mode == "ddp" else None)
 
 
 def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume: bool,
               preset: str | None, overrides: dict[str, Any], device: torch.device,
               report: bool = False, tensorboard: bool = False, profile_start: int | None = None,
-              profile_steps: int = 3) -> int:
+              profile_steps: int = 3, allow_runtime_change: bool = False,
+              parallel: str = "none") -> int:
+    """``k3-train train``; ``parallel`` (ddp/fsdp) joins torchrun's process group first."""
+    dp, device = init_parallel(parallel, device)
+    clean = False
+    try:
+        status = _run_train(run_dir=run_dir, data=data, toml=toml, resume=resume, preset=preset,
+                          overrides=overrides, device=device, report=report,
+                          tensorboard=tensorboard, profile_start=profile_start,
+                          profile_steps=profile_steps,
+                          allow_runtime_change=allow_runtime_change, parallel=dp)
+        clean = True
+        return status
+    finally:
+        set_balancer_gather(None)
+        shutdown(dp, clean=clean)
+
+
+def _run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume: bool,
+               preset: str | None, overrides: dict[str, Any], device: torch.device,
+               report: bool, tensorboard: bool, profile_start: int | None,
+               profile_steps: int, allow_runtime_change: bool,
+               parallel: Parallel | None) -> int:
+    main = parallel is None or parallel.is_main  # rank 0 alone writes the run directory
     preset = preset or toml.get("preset")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--run-dir {run_dir} is a file, not a directory")
-    if resume:
-        if not (run_dir / CHECKPOINT).is_file():
-            if _has_run(run_dir):
-                raise RunError(f"--resume: {run_dir} has no checkpoint yet (the run stopped "
-                               "before its first checkpoint), so there is nothing to resume; "
-                               "remove the directory and start the run again")
+    record: dict[str, Any] | None = None
+    if resume and not (run_dir / CHECKPOINT).is_file():
+        if not _has_run(run_dir):
             raise RunError(f"--resume: no checkpoint to resume, {run_dir / CHECKPOINT} "
                            "not found")
+        # Killed before its first checkpoint: nothing to lose, so a supervisor that
+        # restarts with --resume until success gets a run instead of a loop of errors.
+        record = _restart_record(run_dir)
+        print(f"k3-train: {run_dir} stopped before its first checkpoint; nothing to resume, "
+              "so the run starts from scratch", file=sys.stderr)
+        resume = False
+    elif resume:
         record = _read_record(run_dir)
+    elif _has_run(run_dir):
+        if not (run_dir / CHECKPOINT).is_file():
+            raise RunError(f"{run_dir} already holds a run that stopped before its first "
+                           "checkpoint; pass --resume to start it again from scratch, or "
+                           "choose another --run-dir")
+        raise RunError(f"{run_dir} already holds a run; pass --resume to continue it or "
+                       "choose another --run-dir")
+    if record is not None:
         config = _train_config(record["train_config"], toml, overrides)
         model_config = _model_config(preset, toml.get("model", {}), record["model_config"])
         data_dir = data or Path(record["data"]["dir"])
     else:
-        if _has_run(run_dir):
-            if not (run_dir / CHECKPOINT).is_file():
-                raise RunError(f"{run_dir} already holds a run that stopped before its first "
-                               "checkpoint (nothing to resume); remove it or choose another "
-                               "--run-dir")
-            raise RunError(f"{run_dir} already holds a run; pass --resume to continue it or "
-                           "choose another --run-dir")
         config = _train_config({}, toml, overrides)
         model_config = _model_config(preset, toml.get("model", {}), None)
         data_dir = resolve_data(data)
+    horizon_unset = record is None and "decay_steps" not in {**toml.get("train", {}),
+                                                            **overrides}
     validate_precision(config.precision, device)
     try:
         profiler = TrainingProfiler(device, trace_dir=run_dir / "profile",
@@ -173,33 +234,84 @@ def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume:
         require_matplotlib()
     if tensorboard:
         TensorBoardSink.require()
-    session = _Session(config, model_config, data_dir, device)
+    checkpoint = run_dir / CHECKPOINT
+    if parallel is not None:
+        set_balancer_gather(parallel.gather_rows)
+    session = _Session(config, model_config, data_dir, device, parallel)
     state = TrainState()
+    runtime_changes: dict[str, Any] = {}
     if resume:
-        state = load_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer, config,
-                                session.train_loader, session.val_loader)
+        resumed = resume_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer,
+                                    config, session.train_loader, session.val_loader,
+                                    allow_runtime_change=allow_runtime_change,
+                                    parallel=parallel)
+        state, runtime_changes = resumed.state, resumed.runtime_changes
         if state.step >= config.max_steps:
-            raise RunError(f"the run is complete at step {state.step}; raise --max-steps to "
-                           "extend it")
+            # Success for a supervisor that restarts until the run is done.
+            print(f"k3-train: run already complete at step {state.step}; nothing to do "
+                  "(raise --max-steps to extend it)")
+            return 0
+    if parallel is not None:
+        parallel.barrier()  # every rank has checked the run directory before rank 0 writes
+    if parallel is not None and not main:
+        return _train_quietly(session, config, device, state, parallel, checkpoint)
+    if not resume:
+        (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
 
+    # Said once every check has passed and the session is really going to train.
+    for note in horizon_notes(config, horizon_unset=horizon_unset):
+        print(f"k3-train: note: {note}", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_record(run_dir, train_config=config.to_dict(), model_config=model_config.to_dict(),
                      preset=preset, data_dir=str(data_dir.resolve()),
                      manifest_digest=session.train_loader.manifest_digest, device=str(device),
-                     resumed_from_step=state.step if resume else None)
+                     resumed_from_step=state.step if resume else None,
+                     data_parallel=parallel.describe() if parallel is not None else None)
     sinks = [TensorBoardSink(run_dir / "tensorboard")] if tensorboard else []
     bar = _progress(config, state)
     with MetricsLog(run_dir / METRICS, sinks=sinks) as log:
+        if runtime_changes:
+            _report_runtime_changes(log, state, runtime_changes)
         state = train(session.model, session.optimizer, session.train_loader,
                       session.val_loader, config, device, state=state, log=log,
-                      checkpoint_path=run_dir / CHECKPOINT, profiler=profiler,
-                      on_update=bar.update if bar else None)
+                      checkpoint_path=checkpoint, profiler=profiler,
+                      on_update=bar.update if bar else None, parallel=parallel)
         if bar:
             bar.close()
         _summary(log, run_dir)
     if report:
         print(f"k3-train: report in {write_report(run_dir)}")
     return 0
+
+
+def _train_quietly(session: _Session, config: TrainConfig, device: torch.device,
+                   state: TrainState, parallel: Parallel, checkpoint: Path | None) -> int:
+    """A rank other than 0: the same training, writing nothing (its collectives still run,
+    and it passes the checkpoint path so the loop keeps in step at checkpoint updates)."""
+    train(session.model, session.optimizer, session.train_loader, session.val_loader,
+          config, device, state=state, checkpoint_path=checkpoint, parallel=parallel)
+    return 0
+
+
+def _report_runtime_changes(log: MetricsLog, state: TrainState,
+                            changes: dict[str, Any]) -> None:
+    """``--allow-runtime-change`` accepted another runtime: say so, once, in both places."""
+    named = {key.split(".", 1)[-1]: {"saved": saved, "current": current}
+             for key, (saved, current) in changes.items()}
+    log.write("runtime_changed", step=state.step, changes=named)
+    listed = ", ".join(f"{k} {v['saved']} → {v['current']}" for k, v in named.items())
+    print(f"k3-train: warning: resuming under another runtime ({listed}); the run continues "
+          "correctly but is no longer bitwise-identical to an uninterrupted one",
+          file=sys.stderr)
+
+
+def _restart_record(run_dir: Path) -> dict[str, Any] | None:
+    """The configs a run that died before its first checkpoint was started with, or None
+    when its run.json is missing or damaged (then the command line alone decides)."""
+    try:
+        return _read_record(run_dir)
+    except RunError:
+        return None
 
 
 def run_report(run_dir: Path) -> int:
@@ -213,11 +325,36 @@ def run_eval(run_dir: Path, data: Path | None, batches: int | None,
     config = _train_config(record["train_config"], {}, {})
     session = _Session(config, _model_config(None, {}, record["model_config"]),
                        data or Path(record["data"]["dir"]), device)
+    # Evaluation continues no training, so another runtime (threads, torch, device) is
+    # fine here; everything else is validated as strictly as for a resume.
     state = load_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer, config,
-                            session.train_loader, session.val_loader)
-    loss = evaluate(session.model, session.val_loader, device, batches or config.eval_batches,
-                    config.precision)
-    print(f"step {state.step}: val_loss {loss:.4f}")
+                            session.train_loader, session.val_loader,
+                            allow_runtime_change=True)
+    result = evaluate_split(session.model, session.val_loader, device,
+                            batches or config.eval_batches, config.precision)
+    bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
+    print(f"step {state.step}: val_loss {result.loss:.4f}{bpb}")
+    return 0
+
+
+def run_sample(run_dir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
+               top_k: int | None, seed: int, device: torch.device) -> int:
+    """Print ``prompt`` and a continuation from the run's checkpoint (strictly loaded)."""
+    if not (run_dir / CHECKPOINT).is_file():
+        raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint to "
+                       "sample from; train it first")
+    record = _read_record(run_dir)
+    config = _train_config(record["train_config"], {}, {})
+    model_config = _model_config(None, {}, record["model_config"])
+    data_dir = Path(record["data"]["dir"])
+    session = _Session(config, model_config, data_dir, device)
+    # Sampling continues no training run, so another device or thread count is fine;
+    # everything else is validated as for a resume.
+    load_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer, config,
+                    session.train_loader, session.val_loader, allow_runtime_change=True)
+    print(sample_text(session.model, load_codec(data_dir, session.train_loader.manifest),
+                      prompt, max_new_tokens=max_new_tokens, max_seq_len=model_config.max_seq_len,
+                      device=device, temperature=temperature, top_k=top_k, seed=seed))
     return 0
 
 

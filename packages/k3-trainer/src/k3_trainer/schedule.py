@@ -27,3 +27,28 @@ def learning_rate_at_step(config: TrainConfig, step: int) -> float:
     progress = min(1.0, (step - warmup) / (horizon - warmup))
     floor = config.min_lr_ratio * peak
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def horizon_notes(config: TrainConfig, *, horizon_unset: bool) -> list[str]:
+    """One-line notes that make the cosine horizon a visible decision (empty otherwise).
+
+    ``horizon_unset``: this is a run's first session and ``decay_steps`` was not given, so
+    it was just fixed at ``max_steps`` for every later session too. Independently, a
+    ``max_steps`` past ``decay_steps`` (a resume that extends the run) holds the LR at its
+    floor for the extra steps, which is worth saying rather than leaving to a plot.
+    """
+    if config.lr_schedule != "cosine":
+        return []
+    horizon = int(config.decay_steps or 0)
+    floor = config.min_lr_ratio * config.peak_lr
+    notes = []
+    if horizon_unset:
+        notes.append(
+            f"cosine LR horizon fixed at decay_steps={horizon} (this session's max_steps); "
+            "later sessions keep it, so to plan a longer run split into sessions pass "
+            "--decay-steps N (the planned total) now")
+    if config.max_steps > horizon:
+        notes.append(
+            f"max_steps {config.max_steps} is past the cosine horizon decay_steps={horizon}: "
+            f"the LR stays at min_lr_ratio·peak_lr = {floor:.4g} from step {horizon} on")
+    return notes

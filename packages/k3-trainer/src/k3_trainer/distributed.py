@@ -1,0 +1,203 @@
+"""Data parallelism through torch's own engine: torchrun's environment, DDP or FSDP2.
+
+One process per device, launched by ``torchrun``. :func:`init_parallel` joins the process
+group torchrun describes (gloo on CPU, nccl on CUDA) and returns a :class:`Parallel`:
+the rank and world size, the collectives the loop needs (a loss mean, a MAX for QK-Clip,
+found-inf for the FP16 skip, a flag that is true on every rank when true on one), and
+:meth:`Parallel.wrap`, which shards the model with ``fully_shard`` (each decoder block,
+then the root) or wraps it in ``DistributedDataParallel``. ``--parallel none`` never
+touches ``torch.distributed``: the one-process path stays exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .config import ConfigError
+
+MODES = ("none", "ddp", "fsdp")
+
+
+def launched_world_size() -> int:
+    """The world size torchrun announced in the environment (1 when not launched by it)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process torchrun started (it sets RANK), even with one process."""
+    return "RANK" in os.environ
+
+
+def prog_name() -> str:
+    """``k3-train``, or ``k3-train[rank R]`` in a multi-process launch: every rank's error
+    line says which rank failed."""
+    if launched_world_size() > 1:
+        return f"k3-train[rank {os.environ.get('RANK', '?')}]"
+    return "k3-train"
+
+
+class Parallel:
+    """This process's place in a data-parallel run, and the collectives the trainer uses.
+
+    ``module`` is what the loop calls forward on: the DDP wrapper under ``ddp``, the
+    sharded model itself under ``fsdp`` (``fully_shard`` works in place), set by
+    :meth:`wrap`. Checkpoints, QK-Clip and diagnostics keep using the model itself.
+    """
+
+    def __init__(self, mode: str, device: torch.device) -> None:
+        self.mode = mode
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.module: nn.Module | None = None
+        self.replica: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        """FSDP2: a plain model and optimizer that checkpoints gather the state into
+        (:mod:`k3_trainer.unsharded`); built by whoever builds the model."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes the run directory (metrics, run.json, checkpoint, report)."""
+        return self.rank == 0
+
+    def describe(self) -> dict[str, Any]:
+        """What the run record and the checkpoint's metadata say about the parallel layout."""
+        return {"mode": self.mode, "world_size": self.world_size}
+
+    # --- model -------------------------------------------------------------------------
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Shard (``fsdp``) or replicate (``ddp``) ``model`` for training; returns the module
+        to call forward on. Build the optimizer afterwards (FSDP2 swaps in DTensors)."""
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            layers = getattr(model, "layers", None)
+            for block in layers if isinstance(layers, nn.ModuleList) else []:
+                fully_shard(block)
+            fully_shard(model)
+            self.module = model
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            # forward_sync_buffers=False: the balancer's buffers are kept identical by its own
+            # all-gather, and a silent broadcast would hide a rank that drifted.
+            self.module = DistributedDataParallel(model, device_ids=ids,
+                                                  forward_sync_buffers=False)
+        return self.module
+
+    # --- collectives -------------------------------------------------------------------
+
+    def mean_item(self, loss: Tensor) -> float:
+        """The mean of ``loss`` over the ranks, on the host: one collective and the one host
+        read the finite-loss check makes anyway."""
+        value = self.sum_(loss.detach().float().reshape(1).clone())
+        return value.item() / self.world_size
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` over the ranks, in place; returns it."""
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def max_(self, tensor: Tensor) -> Tensor:
+        """MAX of ``tensor`` over the ranks, in place (QK-Clip's per-head logits); returns it."""
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when true on at least one (a rejection anywhere is one
+        everywhere)."""
+        return bool(self.max_(torch.tensor([1.0 if flag else 0.0])).item())
+
+    def _all_reduce(self, tensor: Tensor, op: Any) -> Tensor:
+        """In place; a host tensor under nccl travels through the device and back."""
+        if dist.get_backend() == "nccl" and tensor.device.type == "cpu":
+            on_device = tensor.to(self.device)
+            dist.all_reduce(on_device, op=op)
+            tensor.copy_(on_device)
+        else:
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    def gather_rows(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0 in rank order: the rows one
+        process with the whole global batch would hold (the MoE balancer's tokens)."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def sync_found_inf(self, scaler: torch.amp.GradScaler,
+                       optimizer: torch.optim.Optimizer) -> None:
+        """Make the scaler's found-inf flags the MAX over ranks, in place, after
+        ``unscale_``: ``scaler.step`` and ``update`` then skip (and back off) on every rank
+        or on none. Under FSDP2 each rank unscales only its own gradient shards."""
+        if not scaler.is_enabled():
+            return
+        found = scaler._found_inf_per_device(optimizer)  # private: see precision.py
+        for flag in found.values():
+            self.max_(flag)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def init_parallel(mode: str, device: torch.device) -> tuple[Parallel | None, torch.device]:
+    """Join torchrun's process group for ``mode`` (``ddp``/``fsdp``); returns the
+    :class:`Parallel` and this rank's device (``cuda:LOCAL_RANK`` on CUDA).
+
+    ``none`` returns ``(None, device)`` and refuses a multi-process launch, which would
+    otherwise train the same model N times side by side.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"--parallel: expected one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "none":
+        if launched_world_size() > 1:
+            raise ConfigError(f"launched with {launched_world_size()} processes but "
+                              "--parallel none; pass --parallel ddp or --parallel fsdp")
+        return None, device
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise ConfigError(f"--parallel {mode} needs torchrun's environment ({', '.join(missing)} "
+                          "unset): launch with `torchrun --nproc_per_node N $(which k3-train) "
+                          "train ...` or `k3-train train --nproc N ...`")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return Parallel(mode, device), device
+
+
+def set_balancer_gather(gather: Callable[[Tensor], Tensor] | None) -> None:
+    """Point k3-model's QuantileBalancer at the ranks' tokens (None: this process only)."""
+    from k3_model.balancer import set_token_gather
+
+    set_token_gather(gather)
+
+
+def shutdown(parallel: Parallel | None, *, clean: bool = True) -> None:
+    """Leave the process group; after a clean run, together (a rank that tears gloo down
+    while another still finishes its work can leave that one waiting forever)."""
+    if parallel is not None and dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """The command line that reruns ``k3-train`` with ``argv`` under torchrun, one process
+    per device (``python -m torch.distributed.run``, so no PATH lookup is needed)."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "-m", "k3_trainer.cli", *argv]
+

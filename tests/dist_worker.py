@@ -1,0 +1,122 @@
+"""One rank of a data-parallel test run (``torchrun ... dist_worker.py``), or one process
+(``--parallel none``): trains the small model through ``k3_trainer.train`` and saves what
+the tests compare to ``OUT/rank{R}.pt``: the logged events, the full (unsharded) weights
+and buffers, the balancer biases, and (``--reject-on-rank``) what a refused resume did.
+
+Test code only; the package never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import SMALL_MODEL, digest, seed_all, train_config
+
+import k3_checkpoint
+from k3_model import K3Model
+from k3_trainer import FP16SkipHarness, MetricsLog, TokenDataLoader, build_optimizer, train
+from k3_trainer.checkpointing import resume_checkpoint
+from k3_trainer.distributed import init_parallel, set_balancer_gather, shutdown
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight and buffer, whole (a DTensor shard is gathered; a collective)."""
+    out = {}
+    for name, value in model.state_dict().items():
+        full = getattr(value, "full_tensor", None)
+        out[name] = (full() if callable(full) else value).detach().clone()
+    return out
+
+
+class OverflowOnOneRank(FP16SkipHarness):
+    """The FP16 skip path in fp32 with an overflow found only by this rank, at one attempt
+    (as when one FSDP2 shard of a gradient holds an inf)."""
+
+    def __init__(self, attempt: int) -> None:
+        super().__init__()
+        self.attempt, self.calls = attempt, 0
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        self.calls += 1
+        if self.calls == self.attempt:
+            for flag in self._found_inf_per_device(optimizer).values():
+                flag.fill_(1.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parallel", default="none")
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--qk-clip-tau", type=float, default=100.0)
+    parser.add_argument("--checkpoint", type=Path)
+    parser.add_argument("--resume", type=Path)
+    parser.add_argument("--reject-on-rank", type=int)
+    parser.add_argument("--overflow-on-rank", type=int)
+    args = parser.parse_args()
+
+    parallel, device = init_parallel(args.parallel, torch.device("cpu"))
+    rank = parallel.rank if parallel is not None else 0
+    world = parallel.world_size if parallel is not None else 1
+    config = train_config(batch_size=args.batch_size, max_steps=args.steps,
+                          decay_steps=args.steps, checkpoint_interval=args.steps,
+                          eval_interval=3, qk_clip_tau=args.qk_clip_tau)
+    if parallel is not None:
+        set_balancer_gather(parallel.gather_rows)
+    seed_all(config.seed)
+    model = K3Model(SMALL_MODEL)
+    if parallel is not None and args.parallel == "fsdp":  # what checkpoints gather into
+        rng = k3_checkpoint.capture_rng()
+        replica = K3Model(SMALL_MODEL)
+        parallel.replica = replica, build_optimizer(replica, config)
+        k3_checkpoint.restore_rng(rng)
+    if parallel is not None:
+        parallel.wrap(model)
+    optimizer = build_optimizer(model, config, distributed=True if args.parallel == "ddp"
+                                else None)
+    loaders = [TokenDataLoader(args.data, split, config.batch_size, config.seq_len,
+                               rank=rank, world_size=world) for split in ("train", "val")]
+    result: dict = {}
+    state = None
+    if args.resume is not None:
+        resume_config = config
+        if args.reject_on_rank == rank:  # this rank's run differs from the checkpoint
+            resume_config = train_config(**{**config.to_dict(), "peak_lr": 1e-4})
+        before = digest(full_state(model)), digest(optimizer.state_dict())
+        try:
+            state = resume_checkpoint(args.resume, model, optimizer, resume_config, *loaders,
+                                      parallel=parallel).state
+        except k3_checkpoint.CheckpointError as exc:
+            result["refused"] = str(exc)
+            result["unchanged"] = before == (digest(full_state(model)),
+                                             digest(optimizer.state_dict()))
+            result["cursors"] = [loader.offset for loader in loaders]
+    if "refused" not in result:
+        log = MetricsLog(None)
+        scaler = None
+        if args.overflow_on_rank is not None:
+            scaler = OverflowOnOneRank(2 if rank == args.overflow_on_rank else 0)
+        train(model, optimizer, *loaders, config, device, state=state, log=log,
+              checkpoint_path=args.checkpoint, parallel=parallel, grad_scaler=scaler)
+        result["events"] = [{k: v for k, v in e.items() if k != "time"} for e in log.events]
+    result["weights"] = full_state(model)
+    result["biases"] = {name: buf.clone() for name, buf in model.named_buffers()
+                        if name.endswith("balancer.bias")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, args.out / f"rank{rank}.pt")
+    set_balancer_gather(None)
+    shutdown(parallel)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Data-parallel training on 2 CPU processes (torchrun, gloo) against one process.
+
+A 2-rank run with per-rank batch B/2 reads exactly the token stream of a 1-process run
+with batch B, so its losses and weights match that run's (fp32; only reduction order
+differs); every rank ends with the same weights, balancer biases and QK-Clip maxima; DDP
+and FSDP2 resume bitwise at the same world size; a checkpoint refused on one rank is
+refused on all, with nothing changed anywhere; an FP16 overflow found by one rank skips
+the update on every rank. Deselect with ``-m 'not distributed'``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import assert_bitwise_equal, k3_train, subprocess_env, toml_text
+
+from k3_checkpoint import read_payload
+from k3_trainer import TokenDataLoader
+
+TESTS = Path(__file__).resolve().parent
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+STEPS, BATCH = 6, 4
+TAU = 0.02  # below the small model's max logits: QK-Clip rescales heads every step
+
+distributed = pytest.mark.distributed
+needs_torchrun = pytest.mark.skipif(
+    not (TORCHRUN.exists() and torch.distributed.is_available()),
+    reason="torchrun / torch.distributed unavailable")
+
+
+def _run(command: list[object], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in its own session; on timeout the whole group goes (a rank stuck
+    in a collective must not outlive the test)."""
+    with subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                          start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def _torchrun(*args: object) -> subprocess.CompletedProcess[str]:
+    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", *args])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _worker(out: Path, data_dir: Path, parallel: str, *extra: object) -> list[dict]:
+    """Run tests/dist_worker.py (1 process for ``none``, else 2 ranks); per-rank results."""
+    args = [TESTS / "dist_worker.py", "--parallel", parallel, "--data", data_dir,
+            "--out", out, "--steps", STEPS, "--qk-clip-tau", TAU, *extra]
+    if parallel == "none":
+        done = subprocess.run([sys.executable, *map(str, [*args, "--batch-size", BATCH])],
+                              capture_output=True, text=True, env=subprocess_env(),
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return [torch.load(out / "rank0.pt", weights_only=False)]
+    _torchrun(*args, "--batch-size", BATCH // 2)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _train_events(result: dict) -> list[dict]:
+    return [e for e in result["events"] if e["event"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, data_dir):
+    return _worker(tmp_path_factory.mktemp("one"), data_dir, "none")[0]
+
+
+def test_each_rank_reads_its_rows_of_the_one_process_batch(data_dir):
+    one = TokenDataLoader(data_dir, "train", BATCH, 16)
+    ranks = [TokenDataLoader(data_dir, "train", BATCH // 2, 16, rank=r, world_size=2)
+             for r in range(2)]
+    for _ in range(3):
+        x, y = one.next_batch()
+        parts = [loader.next_batch() for loader in ranks]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert {loader.offset for loader in ranks} == {one.offset}  # global cursors
+    assert ranks[1].state_dict() == one.state_dict()
+
+
+@distributed
+@needs_torchrun
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process_and_agree(parallel, one_process, tmp_path, data_dir):
+    ranks = _worker(tmp_path, data_dir, parallel)
+    ours, reference = _train_events(ranks[0]), _train_events(one_process)
+    assert [e["step"] for e in ours] == list(range(1, STEPS + 1))
+    for a, b in zip(ours, reference):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["tokens_seen"] == b["tokens_seen"]  # every rank's tokens are counted
+        assert a["qk_heads_clipped"] == b["qk_heads_clipped"]
+    assert sum(e["qk_heads_clipped"] for e in ours) > 0  # QK-Clip rescaled sharded weights
+    evals = [e["val_loss"] for e in ranks[0]["events"] if e["event"] == "eval"]
+    assert evals == pytest.approx([e["val_loss"] for e in one_process["events"]
+                                   if e["event"] == "eval"], rel=1e-4)
+    for name, weight in one_process["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][name], weight, rtol=1e-4, atol=1e-5)
+        # The ranks agree bitwise: weights, balancer biases (buffers), logged QK maxima.
+        assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
+    assert ranks[0]["biases"] and all(torch.equal(b, ranks[1]["biases"][n])
+                                      for n, b in ranks[0]["biases"].items())
+    qk = [{k: v for k, v in e.items() if k.startswith("qk_")} for e in _train_events(ranks[1])]
+    assert qk == [{k: v for k, v in e.items() if k.startswith("qk_")} for e in ours]
+
+
+@distributed
+@needs_torchrun
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_resume_at_the_same_world_size_is_bitwise(parallel, tmp_path, data_dir):
+    config = tmp_path / "small.toml"
+    config.write_text(toml_text(train={"batch_size": BATCH // 2, "checkpoint_interval": 3,
+                                       "qk_clip_tau": TAU}))
+    common = ["train", "--parallel", parallel, "--data", data_dir, "--config", config,
+              "--device", "cpu", "--decay-steps", STEPS]
+    # k3-train --nproc launches torchrun itself.
+    done = _run([sys.executable, "-m", "k3_trainer.cli", *common, "--nproc", 2,
+                 "--run-dir", tmp_path / "continuous", "--max-steps", STEPS])
+    assert done.returncode == 0, done.stderr[-4000:]
+    cli = ["-m", "k3_trainer.cli", *common, "--run-dir", tmp_path / "interrupted"]
+    _torchrun(*cli, "--max-steps", 3)
+    assert read_payload(tmp_path / "interrupted" / "checkpoint.pt")["counters"]["step"] == 3
+    _torchrun(*cli, "--max-steps", STEPS, "--resume")
+    a = read_payload(tmp_path / "continuous" / "checkpoint.pt")
+    b = read_payload(tmp_path / "interrupted" / "checkpoint.pt")
+    assert a["data_parallel"] == {"mode": parallel, "world_size": 2}
+    assert a["counters"]["tokens_seen"] == STEPS * BATCH * 16
+    assert_bitwise_equal(a, b)
+    # A data-parallel checkpoint is not resumed by one process (nor at another world size).
+    alone = k3_train("train", "--run-dir", tmp_path / "continuous", "--resume", "--max-steps",
+                     STEPS + 2, "--device", "cpu")
+    assert alone.returncode == 2 and "data_parallel" in alone.stderr
+
+
+@distributed
+@needs_torchrun
+def test_a_checkpoint_refused_on_one_rank_changes_no_rank(tmp_path, data_dir):
+    checkpoint = tmp_path / "checkpoint.pt"
+    _worker(tmp_path / "first", data_dir, "ddp", "--checkpoint", checkpoint)
+    ranks = _worker(tmp_path / "second", data_dir, "ddp", "--resume", checkpoint,
+                    "--reject-on-rank", "1")
+    assert "train_config.peak_lr" in ranks[1]["refused"]
+    assert "another rank refused" in ranks[0]["refused"]  # rank 0 alone would accept it
+    assert ranks[0]["unchanged"] and ranks[1]["unchanged"]
+    assert ranks[0]["cursors"] == ranks[1]["cursors"] == [0, 0]
+
+
+@distributed
+@needs_torchrun
+def test_an_overflow_found_by_one_rank_skips_the_update_on_every_rank(tmp_path, data_dir):
+    ranks = _worker(tmp_path, data_dir, "fsdp", "--overflow-on-rank", 1)
+    for result in ranks:  # attempt 2 skipped everywhere; steps 1..STEPS still all done
+        overflows = [e for e in result["events"] if e["event"] == "overflow"]
+        assert [e["step"] for e in overflows] == [2]
+        assert _train_events(result)[-1]["skipped_updates"] == 1
+    for name, weight in ranks[0]["weights"].items():
+        assert torch.equal(weight, ranks[1]["weights"][name]), name
+
+
+def test_parallel_none_refuses_a_torchrun_launch_and_ddp_needs_one(tmp_path, data_dir):
+    base = ["train", "--data", data_dir, "--device", "cpu", "--max-steps", 1]
+    launched = k3_train(*base, "--run-dir", tmp_path / "a",
+                        env={"WORLD_SIZE": "2", "RANK": "1"})
+    assert launched.returncode == 2
+    assert launched.stderr.startswith("k3-train[rank 1]: error: launched with 2 processes")
+    alone = k3_train(*base, "--run-dir", tmp_path / "b", "--parallel", "ddp")
+    assert alone.returncode == 2 and "torchrun" in alone.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
