@@ -8,33 +8,14 @@ import sys
 
 import pytest
 import torch
+from trainer_helpers import small_toml
 
 from k3_checkpoint import read_payload
 from k3_trainer.cli import main
 from k3_trainer.metrics import read_events
 
-CONFIG = """
-preset = "tiny"
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-kv_lora_rank = 16
-qk_nope_head_dim = 8
-qk_rope_head_dim = 8
-v_head_dim = 8
-n_experts = 4
-moe_d_ff = 32
-d_ff = 64
-[train]
-batch_size = 4
-seq_len = 16
-log_interval = 2
-eval_interval = 3
-eval_batches = 2
-warmup_steps = 1
-decay_steps = 6
-"""
+CONFIG = small_toml(train=dict(batch_size=4, seq_len=16, log_interval=2, eval_interval=3,
+                                eval_batches=2, warmup_steps=1, decay_steps=6))
 
 
 @pytest.fixture

@@ -9,32 +9,15 @@ import zlib
 
 import numpy as np
 import pytest
+from trainer_helpers import small_toml
 
 from k3_trainer import DataError, TokenDataLoader, prepare_dataset, read_manifest
 from k3_trainer import prepare as prepare_module
 from k3_trainer.cli import main
 from k3_trainer.tokenizer import BytesCodec, HFCodec, load_codec
 
-SMALL_RUN = """preset = "tiny"
-[model]
-vocab_size = 300
-d_model = 32
-n_layers = 2
-n_heads = 2
-kv_lora_rank = 16
-qk_nope_head_dim = 8
-qk_rope_head_dim = 8
-v_head_dim = 8
-n_experts = 4
-moe_d_ff = 32
-d_ff = 64
-[train]
-batch_size = 2
-seq_len = 16
-eval_batches = 1
-warmup_steps = 1
-decay_steps = 4
-"""
+SMALL_RUN = small_toml(model={"vocab_size": 300}, train=dict(
+    batch_size=2, seq_len=16, eval_batches=1, warmup_steps=1, decay_steps=4))
 DOCS = [f"Document {i}: " + "naïve café prose, " * (3 + i % 7) + f"the end {i}." for i in range(30)]
 
 

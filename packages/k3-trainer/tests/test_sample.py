@@ -5,30 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from trainer_helpers import small_toml
 
 from k3_trainer.cli import main
 from k3_trainer.sample import sample_tokens
 
-CONFIG = """preset = "tiny"
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-kv_lora_rank = 16
-qk_nope_head_dim = 8
-qk_rope_head_dim = 8
-v_head_dim = 8
-n_experts = 4
-moe_d_ff = 32
-d_ff = 64
-max_seq_len = 32
-[train]
-batch_size = 2
-seq_len = 16
-eval_batches = 1
-warmup_steps = 1
-decay_steps = 4
-"""
+CONFIG = small_toml(model={"max_seq_len": 32}, train=dict(
+    batch_size=2, seq_len=16, eval_batches=1, warmup_steps=1, decay_steps=4))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,20 @@ SMALL_TRAIN = dict(batch_size=4, seq_len=16, max_steps=6, log_interval=2, eval_i
                    checkpoint_interval=3, eval_batches=2, peak_lr=3e-3)
 
 
+# The same small model for `k3-train` runs driven by a --config file.
+SMALL_MODEL_TOML = dict(d_model=32, n_layers=2, n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=8, v_head_dim=8, n_experts=4, moe_d_ff=32, d_ff=64)
+
+
+def small_toml(*, model: dict | None = None, train: dict | None = None) -> str:
+    """A ``--config`` file: the tiny preset narrowed to SMALL_MODEL_TOML, plus tables."""
+    def table(values: dict) -> str:
+        return "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in values.items())
+
+    return ('preset = "tiny"\n[model]\n' + table({**SMALL_MODEL_TOML, **(model or {})})
+            + "[train]\n" + table(train or {}))
+
+
 def train_config(**overrides) -> TrainConfig:
     return TrainConfig(**{**SMALL_TRAIN, **overrides})
 
