@@ -8,14 +8,14 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from k3_model import K3Model
-from k3_optim import MuonAdamW
 from k3_qkclip import QKClip, QKClipPolicy
 
 
 def _train(model: K3Model, steps: int, make_tokens) -> list[Tensor]:
-    """``steps`` MuonAdamW updates with QK-Clip observing and clipping; the losses."""
+    """``steps`` AdamW updates with QK-Clip observing and clipping; the losses. (k3-model
+    does not depend on k3-optim; tests/ repeats this with MuonAdamW and the trainer.)"""
     model.train()
-    optimizer = MuonAdamW(model.parameter_groups(lr=0.05))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     losses = []
     with QKClip(model, QKClipPolicy(tau=1.0)) as qk_clip:  # low τ: clipping happens
         for step in range(steps):
