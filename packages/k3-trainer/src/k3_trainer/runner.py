@@ -319,17 +319,25 @@ def run_report(run_dir: Path) -> int:
     return 0
 
 
-def run_eval(run_dir: Path, data: Path | None, batches: int | None,
-             device: torch.device) -> int:
+def _restored(run_dir: Path, data: Path | None, device: torch.device
+              ) -> tuple[_Session, TrainConfig, TrainState, Path]:
+    """The run rebuilt from its run.json with its checkpoint loaded, for commands that
+    continue no training (eval, sample): another runtime (threads, torch version, device)
+    is accepted; everything else is validated as strictly as for a resume."""
     record = _read_record(run_dir)
     config = _train_config(record["train_config"], {}, {})
-    session = _Session(config, _model_config(None, {}, record["model_config"]),
-                       data or Path(record["data"]["dir"]), device)
-    # Evaluation continues no training, so another runtime (threads, torch, device) is
-    # fine here; everything else is validated as strictly as for a resume.
+    data_dir = data or Path(record["data"]["dir"])
+    session = _Session(config, _model_config(None, {}, record["model_config"]), data_dir,
+                       device)
     state = load_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer, config,
                             session.train_loader, session.val_loader,
                             allow_runtime_change=True)
+    return session, config, state, data_dir
+
+
+def run_eval(run_dir: Path, data: Path | None, batches: int | None,
+             device: torch.device) -> int:
+    session, config, state, _ = _restored(run_dir, data, device)
     result = evaluate_split(session.model, session.val_loader, device,
                             batches or config.eval_batches, config.precision)
     bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
@@ -343,18 +351,11 @@ def run_sample(run_dir: Path, *, prompt: str, max_new_tokens: int, temperature: 
     if not (run_dir / CHECKPOINT).is_file():
         raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint to "
                        "sample from; train it first")
-    record = _read_record(run_dir)
-    config = _train_config(record["train_config"], {}, {})
-    model_config = _model_config(None, {}, record["model_config"])
-    data_dir = Path(record["data"]["dir"])
-    session = _Session(config, model_config, data_dir, device)
-    # Sampling continues no training run, so another device or thread count is fine;
-    # everything else is validated as for a resume.
-    load_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer, config,
-                    session.train_loader, session.val_loader, allow_runtime_change=True)
-    print(sample_text(session.model, load_codec(data_dir, session.train_loader.manifest),
-                      prompt, max_new_tokens=max_new_tokens, max_seq_len=model_config.max_seq_len,
-                      device=device, temperature=temperature, top_k=top_k, seed=seed))
+    session, _, _, data_dir = _restored(run_dir, None, device)
+    codec = load_codec(data_dir, session.train_loader.manifest)
+    print(sample_text(session.model, codec, prompt, max_new_tokens=max_new_tokens,
+                      max_seq_len=session.model.config.max_seq_len, device=device,
+                      temperature=temperature, top_k=top_k, seed=seed))
     return 0
 
 
