@@ -9,6 +9,9 @@ variables below it behaves exactly like ``python -m k3_trainer.cli ARGS...``.
   ``mid-payload`` (half of the payload bytes written and fsynced), ``before-rename`` (the
   ``.tmp`` complete and fsynced, not yet renamed) or ``after-rename`` (published, directory
   not yet fsynced).
+- ``K3_TEST_KILL_RANK=R:sharded-write:N``: in the torchrun rank R only, SIGKILL this
+  process inside its N-th sharded checkpoint write, once its shards are on disk and
+  before the checkpoint is published.
 - ``K3_TEST_READONLY=DIR``: every write inside DIR fails with EACCES, as in a read-only
   directory (an audit hook, so it holds for root too, which ignores permission bits).
 - ``K3_TEST_FSIZE=BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE), like a disk that
@@ -87,6 +90,26 @@ def _kill_inside_checkpoint_write(spec: str) -> None:
     os.replace = replace
 
 
+def _kill_rank_inside_sharded_write(spec: str) -> None:
+    rank, point, count = spec.split(":")
+    if point != "sharded-write":
+        raise SystemExit(f"cli_driver: unknown rank kill point {point!r}")
+    if os.environ.get("RANK") != rank:
+        return
+    from k3_trainer import sharded
+
+    real_hash_share, seen = sharded._hash_share, 0
+
+    def hash_share(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal seen
+        seen += 1
+        if seen == int(count):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_hash_share(*args, **kwargs)
+
+    sharded._hash_share = hash_share
+
+
 def _read_only(directory: str) -> None:
     root = os.path.realpath(directory)
     writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -132,6 +155,8 @@ def main() -> int:
         _log_checkpoint_opens(os.environ["K3_TEST_OPEN_LOG"])
     if os.environ.get("K3_TEST_KILL"):
         _kill_inside_checkpoint_write(os.environ["K3_TEST_KILL"])
+    if os.environ.get("K3_TEST_KILL_RANK"):
+        _kill_rank_inside_sharded_write(os.environ["K3_TEST_KILL_RANK"])
     if os.environ.get("K3_TEST_READONLY"):
         _read_only(os.environ["K3_TEST_READONLY"])
     if os.environ.get("K3_TEST_FSIZE"):

@@ -25,6 +25,16 @@ from k3_trainer.checkpointing import resume_checkpoint
 from k3_trainer.distributed import init_parallel, set_balancer_gather, shutdown
 
 
+def local(value: object) -> object:
+    """``value`` with every DTensor replaced by this rank's shard (no collective)."""
+    if isinstance(value, dict):
+        return {key: local(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [local(item) for item in value]
+    to_local = getattr(value, "to_local", None)
+    return to_local() if callable(to_local) else value
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every weight and buffer, whole (a DTensor shard is gathered; a collective)."""
     out = {}
@@ -74,11 +84,6 @@ def main() -> int:
         set_balancer_gather(parallel.gather_rows)
     seed_all(config.seed)
     model = K3Model(SMALL_MODEL)
-    if parallel is not None and args.parallel == "fsdp":  # what checkpoints gather into
-        rng = k3_checkpoint.capture_rng()
-        replica = K3Model(SMALL_MODEL)
-        parallel.replica = replica, build_optimizer(replica, config)
-        k3_checkpoint.restore_rng(rng)
     if parallel is not None:
         parallel.wrap(model)
     optimizer = build_optimizer(model, config, distributed=True if args.parallel == "ddp"
@@ -91,14 +96,14 @@ def main() -> int:
         resume_config = config
         if args.reject_on_rank == rank:  # this rank's run differs from the checkpoint
             resume_config = train_config(**{**config.to_dict(), "peak_lr": 1e-4})
-        before = digest(full_state(model)), digest(optimizer.state_dict())
+        before = digest(full_state(model)), digest(local(optimizer.state_dict()))
         try:
             state = resume_checkpoint(args.resume, model, optimizer, resume_config, *loaders,
                                       parallel=parallel).state
         except k3_checkpoint.CheckpointError as exc:
             result["refused"] = str(exc)
             result["unchanged"] = before == (digest(full_state(model)),
-                                             digest(optimizer.state_dict()))
+                                             digest(local(optimizer.state_dict())))
             result["cursors"] = [loader.offset for loader in loaders]
     if "refused" not in result:
         log = MetricsLog(None)

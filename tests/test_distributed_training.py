@@ -3,9 +3,8 @@
 A 2-rank run with per-rank batch B/2 reads exactly the token stream of a 1-process run
 with batch B, so its losses and weights match that run's (fp32; only reduction order
 differs); every rank ends with the same weights, balancer biases and QK-Clip maxima; DDP
-and FSDP2 resume bitwise at the same world size; a checkpoint refused on one rank is
-refused on all, with nothing changed anywhere; an FP16 overflow found by one rank skips
-the update on every rank. Deselect with ``-m 'not distributed'``.
+an FP16 overflow found by one rank skips the update on every rank. Checkpoints and resume
+are in test_distributed_checkpoints.py. Deselect with ``-m 'not distributed'``.
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_bitwise_equal, k3_train, subprocess_env, toml_text
+from harness import k3_train, subprocess_env
 
-from k3_checkpoint import read_payload
 from k3_trainer import TokenDataLoader
 
 TESTS = Path(__file__).resolve().parent
@@ -34,11 +32,12 @@ needs_torchrun = pytest.mark.skipif(
     reason="torchrun / torch.distributed unavailable")
 
 
-def _run(command: list[object], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(command: list[object], timeout: float = 120,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in its own session; on timeout the whole group goes (a rank stuck
     in a collective must not outlive the test)."""
     with subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                          stderr=subprocess.PIPE, text=True, env=subprocess_env(env),
                           start_new_session=True) as process:
         try:
             out, err = process.communicate(timeout=timeout)
@@ -114,47 +113,6 @@ def test_two_ranks_match_one_process_and_agree(parallel, one_process, tmp_path, 
                                       for n, b in ranks[0]["biases"].items())
     qk = [{k: v for k, v in e.items() if k.startswith("qk_")} for e in _train_events(ranks[1])]
     assert qk == [{k: v for k, v in e.items() if k.startswith("qk_")} for e in ours]
-
-
-@distributed
-@needs_torchrun
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_resume_at_the_same_world_size_is_bitwise(parallel, tmp_path, data_dir):
-    config = tmp_path / "small.toml"
-    config.write_text(toml_text(train={"batch_size": BATCH // 2, "checkpoint_interval": 3,
-                                       "qk_clip_tau": TAU}))
-    common = ["train", "--parallel", parallel, "--data", data_dir, "--config", config,
-              "--device", "cpu", "--decay-steps", STEPS]
-    # k3-train --nproc launches torchrun itself.
-    done = _run([sys.executable, "-m", "k3_trainer.cli", *common, "--nproc", 2,
-                 "--run-dir", tmp_path / "continuous", "--max-steps", STEPS])
-    assert done.returncode == 0, done.stderr[-4000:]
-    cli = ["-m", "k3_trainer.cli", *common, "--run-dir", tmp_path / "interrupted"]
-    _torchrun(*cli, "--max-steps", 3)
-    assert read_payload(tmp_path / "interrupted" / "checkpoint.pt")["counters"]["step"] == 3
-    _torchrun(*cli, "--max-steps", STEPS, "--resume")
-    a = read_payload(tmp_path / "continuous" / "checkpoint.pt")
-    b = read_payload(tmp_path / "interrupted" / "checkpoint.pt")
-    assert a["data_parallel"] == {"mode": parallel, "world_size": 2}
-    assert a["counters"]["tokens_seen"] == STEPS * BATCH * 16
-    assert_bitwise_equal(a, b)
-    # A data-parallel checkpoint is not resumed by one process (nor at another world size).
-    alone = k3_train("train", "--run-dir", tmp_path / "continuous", "--resume", "--max-steps",
-                     STEPS + 2, "--device", "cpu")
-    assert alone.returncode == 2 and "data_parallel" in alone.stderr
-
-
-@distributed
-@needs_torchrun
-def test_a_checkpoint_refused_on_one_rank_changes_no_rank(tmp_path, data_dir):
-    checkpoint = tmp_path / "checkpoint.pt"
-    _worker(tmp_path / "first", data_dir, "ddp", "--checkpoint", checkpoint)
-    ranks = _worker(tmp_path / "second", data_dir, "ddp", "--resume", checkpoint,
-                    "--reject-on-rank", "1")
-    assert "train_config.peak_lr" in ranks[1]["refused"]
-    assert "another rank refused" in ranks[0]["refused"]  # rank 0 alone would accept it
-    assert ranks[0]["unchanged"] and ranks[1]["unchanged"]
-    assert ranks[0]["cursors"] == ranks[1]["cursors"] == [0, 0]
 
 
 @distributed

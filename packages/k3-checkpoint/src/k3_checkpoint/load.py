@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .components import Components, Tree
 from .errors import CheckpointError
@@ -48,6 +50,8 @@ def load_checkpoint(
     components: Components,
     metadata: Mapping[str, Any] | None = None,
     policy: CompatibilityPolicy | None = None,
+    *,
+    modules: Sequence[torch.nn.Module] = (),
 ) -> LoadedCheckpoint:
     """Resume ``components`` and the global RNG from ``path``.
 
@@ -57,7 +61,8 @@ def load_checkpoint(
     module state keys/shapes/dtypes, and RNG state. Then the restore: components judged by
     their own ``load_state_dict`` (loader cursors, counters...), all or none; modules and
     optimizers (with the checkpoint's hyperparameters), gradients cleared; the RNG last, so
-    draws made while building or restoring cannot shift the resumed streams.
+    draws made while building or restoring cannot shift the resumed streams. ``modules``:
+    as for ``save_checkpoint``, models in the runtime signature but not restored here.
     """
     policy = CompatibilityPolicy() if policy is None else policy
     payload, digest = read_verified(path)
@@ -66,7 +71,7 @@ def load_checkpoint(
         current = to_plain(metadata or {}, "metadata")
         check_names(tree, current)
         current.update({f"{name}_type": t for name, t in _types(tree).items()})
-        current["runtime"] = runtime_signature(*tree.modules.values())
+        current["runtime"] = runtime_signature(*tree.modules.values(), *modules)
         saved_metadata = {
             key: value
             for key, value in payload.items()

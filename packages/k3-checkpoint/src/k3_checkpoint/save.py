@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from .components import Components, Tree
 from .errors import CheckpointError
@@ -23,6 +25,8 @@ def save_checkpoint(
     path: str | os.PathLike[str],
     components: Components,
     metadata: Mapping[str, Any] | None = None,
+    *,
+    modules: Sequence[torch.nn.Module] = (),
 ) -> str:
     """Write a format-7 checkpoint of ``components`` and ``metadata``; return its sha256 hex.
 
@@ -33,14 +37,21 @@ def save_checkpoint(
     Call it at an update boundary, after ``optimizer.zero_grad(set_to_none=True)``: a live
     ``.grad`` means a half-accumulated attempt, which a checkpoint never holds. Everything is
     checked before the file is opened, so a refused save writes nothing.
+
+    ``modules``: models whose state is kept elsewhere (the tensors of a sharded checkpoint)
+    but whose devices and dtypes still belong in the runtime signature.
     """
     try:
-        return write_payload(path, build_payload(components, metadata or {}))
+        return write_payload(path, build_payload(components, metadata or {}, modules))
     except CheckpointError as error:
         raise error.with_path(path) from error
 
 
-def build_payload(components: Components, metadata: Mapping[str, Any]) -> dict[str, Any]:
+def build_payload(
+    components: Components,
+    metadata: Mapping[str, Any],
+    modules: Sequence[torch.nn.Module] = (),
+) -> dict[str, Any]:
     """The payload ``save_checkpoint`` writes (checked, plain, but not yet on disk)."""
     tree = Tree(components)
     tree.require_no_gradients()
@@ -54,7 +65,7 @@ def build_payload(components: Components, metadata: Mapping[str, Any]) -> dict[s
         **tree.states(),
         **structure,
         **plain,
-        "runtime": runtime_signature(*tree.modules.values()),
+        "runtime": runtime_signature(*tree.modules.values(), *modules),
         "rng": capture_rng(),
     }
 

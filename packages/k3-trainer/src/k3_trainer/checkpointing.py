@@ -7,6 +7,8 @@ names the trainer's parts. To checkpoint one more stateful object, add it to ``_
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +20,15 @@ from torch import nn
 import k3_checkpoint
 from k3_qkclip import QKClip, QKClipPolicy
 
-from .config import ConfigError, TrainConfig, TrainState
+from .config import TrainConfig, TrainState
 from .data import TokenDataLoader
 from .distributed import Parallel
-from .unsharded import gather_into, scatter_from
+from .sharded import is_sharded, read_sharded, reshard, write_sharded
+
+CHECKPOINT = "checkpoint.pt"
+"""A run's checkpoint, one format-7 file: one process, or DDP (written by rank 0)."""
+SHARDED_CHECKPOINT = "checkpoint.dcp"
+"""A run's checkpoint under FSDP2: a sharded folder (:mod:`k3_trainer.sharded`)."""
 
 # Fields that may change on resume without touching the training trajectory: intervals
 # only decide when to log/evaluate/save, evaluation restores every RNG it touches, and
@@ -41,6 +48,29 @@ PORTABLE_RUNTIME = frozenset({"torch_version", "cuda_version", "device_type", "n
 """Runtime-signature keys that legitimately differ between machines; ``allow_runtime_change``
 accepts a change in these (and gives up bitwise continuation). Dtypes and determinism
 settings are the run's own choices and stay strict."""
+
+RUNTIME_METADATA = ("runtime", "rng", "data_parallel")
+"""What ``allow_runtime_change`` may accept as changed, and what a ``runtime_changed`` event
+reports: the runtime signature, CUDA generator states, and the data-parallel layout
+(another world size or mode; sharded checkpoints are resharded on load)."""
+
+
+def checkpoint_path(run_dir: Path, parallel: Parallel | None) -> Path:
+    """Where this run writes its checkpoint: a sharded folder under FSDP2, else a file."""
+    sharded = parallel is not None and parallel.mode == "fsdp"
+    return run_dir / (SHARDED_CHECKPOINT if sharded else CHECKPOINT)
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    """The run's latest checkpoint, in either form, or None. Both exist only when a crash
+    came between publishing one form and deleting the other: the newer one wins."""
+    found = [path for path in (run_dir / CHECKPOINT, run_dir / SHARDED_CHECKPOINT)
+             if path.is_file() or (path / "k3.ckpt").is_file()]
+    return max(found, key=_written_at, default=None)
+
+
+def _written_at(path: Path) -> float:
+    return (path / "k3.ckpt" if path.is_dir() else path).stat().st_mtime
 
 
 class CheckpointWriteError(OSError):
@@ -92,24 +122,39 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     """Write the complete update boundary atomically; returns the payload digest.
 
     A failed write raises :class:`CheckpointWriteError` (an ``OSError``) and leaves the
-    previous checkpoint at ``path`` as it was. Data parallel: rank 0 alone writes the
-    ordinary file (other ranks return ``""``), whose metadata records the parallel mode
-    and world size; under FSDP2 every rank first gathers the sharded state into its
-    replica (:mod:`k3_trainer.unsharded`), so call it on every rank.
+    previous checkpoint at ``path`` as it was. Data parallel: call it on every rank, and
+    every rank raises when one failed. Under DDP rank 0 alone writes the ordinary file
+    (other ranks return ``""``); under FSDP2 every rank writes its shards into the sharded
+    folder ``path`` (:mod:`k3_trainer.sharded`). The metadata records the parallel mode
+    and world size.
     """
-    if parallel is not None:
-        if parallel.mode == "fsdp":
-            replica, replica_optimizer = _replica(parallel)
-            gather_into(model, optimizer, replica, replica_optimizer)
-            model, optimizer = replica, replica_optimizer
-        if not parallel.is_main:
-            return ""
+    path = Path(path)
+    if parallel is not None and parallel.mode == "fsdp":
+        reshard(model)
     components = _components(model, optimizer, state, config, train_loader, val_loader)
+    metadata = _metadata(model, config, parallel)
     try:
-        return k3_checkpoint.save_checkpoint(path, components,
-                                             _metadata(model, config, parallel))
+        if parallel is not None and parallel.mode == "fsdp":
+            digest = write_sharded(path, model, optimizer, _small(components),
+                                   {**metadata, **_optimizer_record(model, optimizer)},
+                                   state.step, parallel)
+        else:
+            digest, failure = "", None
+            if parallel is None or parallel.is_main:
+                try:
+                    digest = k3_checkpoint.save_checkpoint(path, components, metadata)
+                except OSError as error:
+                    failure = error
+            if parallel is not None and parallel.any(failure is not None):
+                raise failure or OSError(0, "rank 0 failed to write the checkpoint (see its "
+                                            "error line)")
+            if failure is not None:
+                raise failure
     except OSError as error:
         raise CheckpointWriteError(path, error) from error
+    if parallel is None or parallel.is_main:
+        _drop_other_form(path)
+    return digest
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -131,40 +176,58 @@ def resume_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim
     Raises ``k3_checkpoint.CheckpointError`` (a ``ValueError``) naming the first problem
     and leaves model, optimizer, loaders and RNG untouched when anything is incompatible.
     ``allow_runtime_change`` accepts another torch version, CUDA version, device or thread
-    count (:data:`PORTABLE_RUNTIME`) and reports what changed in ``runtime_changes``.
+    count (:data:`PORTABLE_RUNTIME`) and another data-parallel layout, and reports what
+    changed in ``runtime_changes``.
 
-    Data parallel: every rank validates and restores the same file; a rejection on any
-    rank is a rejection on every rank, and a rank that had already restored rolls back.
-    Under FSDP2 the file is loaded into the replica, then each rank takes its rows.
+    Data parallel: every rank validates and restores the same checkpoint; a rejection on
+    any rank is a rejection on every rank, and a rank that had already restored rolls
+    back. A sharded checkpoint (FSDP2) loads into any layout, one process included, each
+    rank reading its own part; a single file loads under ``none`` and ``ddp``.
     """
-    if parallel is not None and parallel.mode == "fsdp":
-        replica, replica_optimizer = _replica(parallel)
-        resumed = _resume_everywhere(path, replica, replica_optimizer, config, train_loader,
-                                     val_loader, allow_runtime_change, parallel)
-        scatter_from(replica, replica_optimizer, model, optimizer)
-        return resumed
-    if parallel is not None:
-        return _resume_everywhere(path, model, optimizer, config, train_loader, val_loader,
-                                  allow_runtime_change, parallel)
-    return _resume_local(path, model, optimizer, config, train_loader, val_loader,
-                         allow_runtime_change, None)
-
-
-def _resume_local(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  config: TrainConfig, train_loader: TokenDataLoader,
-                  val_loader: TokenDataLoader, allow_runtime_change: bool,
-                  parallel: Parallel | None) -> Resumed:
-    state = TrainState()
+    path = Path(path)
     policy = TRAINER_POLICY
     if allow_runtime_change:
         policy = k3_checkpoint.CompatibilityPolicy(
-            may_grow=policy.may_grow, may_differ=policy.may_differ,
+            may_grow=policy.may_grow, may_differ=policy.may_differ | {"data_parallel"},
             step_limit=policy.step_limit, runtime_may_differ=PORTABLE_RUNTIME)
+    state = TrainState()
     components = _components(model, optimizer, state, config, train_loader, val_loader)
-    loaded = k3_checkpoint.load_checkpoint(path, components,
-                                           _metadata(model, config, parallel), policy)
-    changes = {**loaded.changes_under("runtime"), **loaded.changes_under("rng")}
-    return Resumed(state=state, digest=loaded.digest, runtime_changes=changes)
+    metadata = _metadata(model, config, parallel)
+    if is_sharded(path):
+        loaded = read_sharded(path, model, optimizer, _small(components),
+                              {**metadata, **_optimizer_record(model, optimizer)}, policy,
+                              parallel)
+    elif parallel is not None and parallel.mode == "fsdp":
+        raise k3_checkpoint.CheckpointError(
+            "is a single-file checkpoint (written by one process or DDP); --parallel fsdp "
+            "resumes sharded checkpoints only: resume this run with --parallel ddp or none",
+            path=path)
+    elif parallel is not None:
+        loaded = _load_everywhere(path, model, optimizer, components, metadata, policy,
+                                  parallel)
+    else:
+        loaded = k3_checkpoint.load_checkpoint(path, components, metadata, policy)
+    return Resumed(state=state, digest=loaded.digest, runtime_changes=_runtime_changes(loaded))
+
+
+ONE_PROCESS = {"mode": "none", "world_size": 1}
+"""The data-parallel layout of a checkpoint that records none (a one-process run)."""
+
+
+def _runtime_changes(loaded: k3_checkpoint.LoadedCheckpoint) -> dict[str, tuple[Any, Any]]:
+    """The accepted runtime differences, one per leaf: a one-process side of a layout
+    change (which records no layout) reads as :data:`ONE_PROCESS`."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    for key in RUNTIME_METADATA:
+        for path, (saved, current) in loaded.changes_under(key).items():
+            if path != "data_parallel":
+                changes[path] = (saved, current)
+                continue
+            saved = ONE_PROCESS if saved is k3_checkpoint.MISSING else saved
+            current = ONE_PROCESS if current is k3_checkpoint.MISSING else current
+            changes.update({f"{path}.{field}": (saved.get(field), current.get(field))
+                            for field in ONE_PROCESS if saved.get(field) != current.get(field)})
+    return changes
 
 
 def _components(model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
@@ -253,31 +316,50 @@ def _is_count(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-def _replica(parallel: Parallel) -> tuple[nn.Module, torch.optim.Optimizer]:
-    if parallel.replica is None:
-        raise ConfigError("FSDP2 checkpoints need Parallel.replica: a plain model and "
-                          "optimizer of the same kind to gather the sharded state into")
-    return parallel.replica
+def _small(components: dict[str, Any]) -> dict[str, Any]:
+    """The components a sharded checkpoint keeps in its ``k3.ckpt``: all but the tensors."""
+    return {name: c for name, c in components.items() if name not in ("model", "optimizer")}
 
 
-def _resume_everywhere(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       config: TrainConfig, train_loader: TokenDataLoader,
-                       val_loader: TokenDataLoader, allow_runtime_change: bool,
-                       parallel: Parallel) -> Resumed:
+def _optimizer_record(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's class and layout, which a single file records beside its state; a
+    sharded checkpoint keeps them as metadata (global shapes, so any world size compares
+    equal)."""
+    return {"optimizer_type": k3_checkpoint.optimizer_identity(optimizer),
+            "optimizer_layout": k3_checkpoint.optimizer_layout(optimizer, model)}
+
+
+def _drop_other_form(path: Path) -> None:
+    """After a checkpoint was published in one form, the run's checkpoint in the other form
+    (from a session with another parallel layout) is older: remove it."""
+    if path.name == CHECKPOINT:
+        other = path.with_name(SHARDED_CHECKPOINT)
+        if other.is_symlink():
+            target = other.parent / os.readlink(other)
+            other.unlink()
+            shutil.rmtree(target, ignore_errors=True)
+    elif path.name == SHARDED_CHECKPOINT:
+        path.with_name(CHECKPOINT).unlink(missing_ok=True)
+
+
+def _load_everywhere(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     components: dict[str, Any], metadata: dict[str, Any],
+                     policy: k3_checkpoint.CompatibilityPolicy,
+                     parallel: Parallel) -> k3_checkpoint.LoadedCheckpoint:
     """Every rank loads the same file; if any rank refuses it, all refuse, and a rank that
     had passed every check puts back what it restored (weights, optimizer, cursors, RNG)."""
+    train_loader, val_loader = components["loaders"]["train"], components["loaders"]["val"]
     snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()),
                 train_loader.state_dict(), val_loader.state_dict(), k3_checkpoint.capture_rng())
     error: Exception | None = None
-    resumed: Resumed | None = None
+    loaded: k3_checkpoint.LoadedCheckpoint | None = None
     try:
-        resumed = _resume_local(path, model, optimizer, config, train_loader, val_loader,
-                                allow_runtime_change, parallel)
+        loaded = k3_checkpoint.load_checkpoint(path, components, metadata, policy)
     except k3_checkpoint.CheckpointError as exc:
         error = exc
     if not parallel.any(error is not None):
-        assert resumed is not None
-        return resumed
+        assert loaded is not None
+        return loaded
     if error is None:  # this rank accepted, another refused: undo, then refuse alike
         model.load_state_dict(snapshot[0])
         optimizer.load_state_dict(snapshot[1])

@@ -59,9 +59,6 @@ class Parallel:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.module: nn.Module | None = None
-        self.replica: tuple[nn.Module, torch.optim.Optimizer] | None = None
-        """FSDP2: a plain model and optimizer that checkpoints gather the state into
-        (:mod:`k3_trainer.unsharded`); built by whoever builds the model."""
 
     @property
     def is_main(self) -> bool:

@@ -20,7 +20,14 @@ import k3_checkpoint
 from k3_model import K3Config, K3Model
 from k3_model import preset as model_preset
 
-from .checkpointing import load_checkpoint, resume_checkpoint
+from .checkpointing import (
+    CHECKPOINT,
+    SHARDED_CHECKPOINT,
+    checkpoint_path,
+    find_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+)
 from .config import ConfigError, TrainConfig, TrainState
 from .data import MANIFEST_FORMAT, TokenDataLoader, check_vocab_fits
 from .distributed import Parallel, init_parallel, set_balancer_gather, shutdown
@@ -40,10 +47,10 @@ from .report import require_matplotlib, write_report
 from .run import read_run_record, write_run_record
 from .sample import sample_text
 from .schedule import horizon_notes
+from .sharded import describe_sharded, is_sharded
 from .sinks import TensorBoardSink
 from .tokenizer import load_codec
 
-CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 DEFAULT_PRESET = "tiny"
 
@@ -95,7 +102,8 @@ def _train_config(base: dict[str, Any], toml: dict[str, Any],
 
 
 def _has_run(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in (CHECKPOINT, METRICS, "run.json"))
+    return any((run_dir / name).exists()
+               for name in (CHECKPOINT, SHARDED_CHECKPOINT, METRICS, "run.json"))
 
 
 def _read_record(run_dir: Path) -> dict[str, Any]:
@@ -126,7 +134,17 @@ def run_prepare(inputs: list[str], out: Path, *, workers: int | None = None,
 
 
 def run_inspect(checkpoint: Path) -> int:
-    print("\n".join(k3_checkpoint.inspect_checkpoint(checkpoint).lines()))
+    """Summarize a checkpoint file, a sharded checkpoint folder, or a run directory's
+    checkpoint, verifying every digest and building nothing."""
+    if checkpoint.is_dir() and not (checkpoint / "k3.ckpt").exists():
+        found = find_checkpoint(checkpoint)
+        if found is None:
+            raise RunError(f"{checkpoint} holds no checkpoint ({CHECKPOINT} or "
+                           f"{SHARDED_CHECKPOINT})")
+        checkpoint = found
+    lines = (describe_sharded(checkpoint) if is_sharded(checkpoint)
+             else k3_checkpoint.inspect_checkpoint(checkpoint).lines())
+    print("\n".join(lines))
     return 0
 
 
@@ -154,11 +172,6 @@ class _Session:
         if parallel is None:
             self.optimizer = build_optimizer(self.model, config)
             return
-        if parallel.mode == "fsdp":  # what checkpoints gather into; draws no RNG of the run's
-            rng = k3_checkpoint.capture_rng()
-            replica = K3Model(model_config).to(device)
-            parallel.replica = replica, build_optimizer(replica, config)
-            k3_checkpoint.restore_rng(rng)
         parallel.wrap(self.model)
         self.optimizer = build_optimizer(self.model, config,
                                          distributed=True if parallel.mode == "ddp" else None)
@@ -195,10 +208,11 @@ def _run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--run-dir {run_dir} is a file, not a directory")
     record: dict[str, Any] | None = None
-    if resume and not (run_dir / CHECKPOINT).is_file():
+    found = find_checkpoint(run_dir)
+    if resume and found is None:
         if not _has_run(run_dir):
             raise RunError(f"--resume: no checkpoint to resume, {run_dir / CHECKPOINT} "
-                           "not found")
+                           f"(or {SHARDED_CHECKPOINT}) not found")
         # Killed before its first checkpoint: nothing to lose, so a supervisor that
         # restarts with --resume until success gets a run instead of a loop of errors.
         record = _restart_record(run_dir)
@@ -208,7 +222,7 @@ def _run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume
     elif resume:
         record = _read_record(run_dir)
     elif _has_run(run_dir):
-        if not (run_dir / CHECKPOINT).is_file():
+        if found is None:
             raise RunError(f"{run_dir} already holds a run that stopped before its first "
                            "checkpoint; pass --resume to start it again from scratch, or "
                            "choose another --run-dir")
@@ -234,14 +248,15 @@ def _run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume
         require_matplotlib()
     if tensorboard:
         TensorBoardSink.require()
-    checkpoint = run_dir / CHECKPOINT
+    checkpoint = checkpoint_path(run_dir, parallel)
     if parallel is not None:
         set_balancer_gather(parallel.gather_rows)
     session = _Session(config, model_config, data_dir, device, parallel)
     state = TrainState()
     runtime_changes: dict[str, Any] = {}
     if resume:
-        resumed = resume_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer,
+        assert found is not None
+        resumed = resume_checkpoint(found, session.model, session.optimizer,
                                     config, session.train_loader, session.val_loader,
                                     allow_runtime_change=allow_runtime_change,
                                     parallel=parallel)
@@ -296,7 +311,7 @@ def _train_quietly(session: _Session, config: TrainConfig, device: torch.device,
 def _report_runtime_changes(log: MetricsLog, state: TrainState,
                             changes: dict[str, Any]) -> None:
     """``--allow-runtime-change`` accepted another runtime: say so, once, in both places."""
-    named = {key.split(".", 1)[-1]: {"saved": saved, "current": current}
+    named = {key.removeprefix("runtime."): {"saved": saved, "current": current}
              for key, (saved, current) in changes.items()}
     log.write("runtime_changed", step=state.step, changes=named)
     listed = ", ".join(f"{k} {v['saved']} → {v['current']}" for k, v in named.items())
@@ -329,7 +344,10 @@ def _restored(run_dir: Path, data: Path | None, device: torch.device
     data_dir = data or Path(record["data"]["dir"])
     session = _Session(config, _model_config(None, {}, record["model_config"]), data_dir,
                        device)
-    state = load_checkpoint(run_dir / CHECKPOINT, session.model, session.optimizer, config,
+    found = find_checkpoint(run_dir)
+    if found is None:
+        raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint")
+    state = load_checkpoint(found, session.model, session.optimizer, config,
                             session.train_loader, session.val_loader,
                             allow_runtime_change=True)
     return session, config, state, data_dir
@@ -348,7 +366,7 @@ def run_eval(run_dir: Path, data: Path | None, batches: int | None,
 def run_sample(run_dir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
                top_k: int | None, seed: int, device: torch.device) -> int:
     """Print ``prompt`` and a continuation from the run's checkpoint (strictly loaded)."""
-    if not (run_dir / CHECKPOINT).is_file():
+    if find_checkpoint(run_dir) is None:
         raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint to "
                        "sample from; train it first")
     session, _, _, data_dir = _restored(run_dir, None, device)

@@ -1,0 +1,189 @@
+"""Data-parallel checkpoints on 2 CPU processes (torchrun, gloo).
+
+DDP writes one format-7 file (rank 0); FSDP2 writes a sharded ``torch.distributed.checkpoint``
+folder with a format-7 ``k3.ckpt`` on top, published atomically. Both resume bitwise at the
+same world size; a rank killed with SIGKILL mid-run (inside a checkpoint write) costs only
+the steps since the last published checkpoint and the restarted run ends bitwise equal to
+an uninterrupted one; another world size or layout resumes only with
+``--allow-runtime-change`` (DCP reshards) and is recorded as a ``runtime_changed`` event; a
+checkpoint refused on one rank changes no rank; ``k3-train inspect`` reads both forms and
+verifies every shard. Deselect with ``-m 'not distributed'``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import assert_bitwise_equal, k3_train, toml_text
+from test_distributed_training import (
+    BATCH,
+    STEPS,
+    TAU,
+    TESTS,
+    TORCHRUN,
+    _run,
+    _worker,
+    distributed,
+    needs_torchrun,
+)
+
+from k3_checkpoint import read_payload
+from k3_trainer.checkpointing import find_checkpoint
+
+pytestmark = [distributed, needs_torchrun]
+INTERVAL = 2  # checkpoints at steps 2, 4, 6
+
+
+def _command(parallel: str, data_dir: Path, config: Path, run_dir: Path,
+             *extra: object) -> list[object]:
+    return ["train", "--parallel", parallel, "--data", data_dir, "--config", config,
+            "--device", "cpu", "--decay-steps", STEPS, "--run-dir", run_dir, *extra]
+
+
+def _torchrun(*args: object, env: dict[str, str] | None = None, ok: bool = True):
+    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", *args], env=env)
+    if ok:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _final_state(run_dir: Path, scratch: Path) -> dict:
+    """The run's checkpoint as one payload: a sharded one's tensors gathered in (through
+    DCP's own converter), its shard-file index dropped (DCP's metadata is not byte-stable)."""
+    found = find_checkpoint(run_dir)
+    assert found is not None, run_dir
+    if not found.is_dir():
+        return read_payload(found)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    payload = read_payload(found / "k3.ckpt")
+    del payload["shards"]
+    dcp_to_torch_save(found, scratch / f"{run_dir.name}.pt")
+    payload["tensors"] = torch.load(scratch / f"{run_dir.name}.pt", weights_only=True)
+    return payload
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "small.toml"
+    path.write_text(toml_text(train={"batch_size": BATCH // 2, "checkpoint_interval": INTERVAL,
+                                     "qk_clip_tau": TAU}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def continuous(tmp_path_factory, data_dir, config):
+    """``{mode: run_dir}`` of uninterrupted 2-rank runs (``k3-train --nproc`` launches
+    torchrun itself)."""
+    runs = {}
+    for parallel in ("ddp", "fsdp"):
+        run_dir = tmp_path_factory.mktemp(parallel) / "continuous"
+        done = _run([sys.executable, "-m", "k3_trainer.cli",
+                     *_command(parallel, data_dir, config, run_dir, "--max-steps", STEPS),
+                     "--nproc", 2])
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[parallel] = run_dir
+    return runs
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_resume_at_the_same_world_size_is_bitwise(parallel, continuous, config, tmp_path,
+                                                  data_dir):
+    run_dir = tmp_path / "interrupted"
+    cli = ["-m", "k3_trainer.cli", *_command(parallel, data_dir, config, run_dir)]
+    _torchrun(*cli, "--max-steps", 3)
+    _torchrun(*cli, "--max-steps", STEPS, "--resume")
+    a = _final_state(continuous[parallel], tmp_path)
+    b = _final_state(run_dir, tmp_path)
+    assert a["data_parallel"] == {"mode": parallel, "world_size": 2}
+    assert a["counters"]["tokens_seen"] == STEPS * BATCH * 16
+    assert_bitwise_equal(a, b)
+    if parallel == "fsdp":  # the published folder, no leftovers; the tensors are sharded
+        link = run_dir / "checkpoint.dcp"
+        assert link.is_symlink() and link.resolve().name == f"checkpoint.dcp.step-{STEPS:08d}"
+        assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == [
+            "checkpoint.dcp", f"checkpoint.dcp.step-{STEPS:08d}"]
+        shards = sorted(p.name for p in link.iterdir() if p.suffix == ".distcp")
+        assert len(shards) == 2 and "model" in b["tensors"] and "optimizer" in b["tensors"]
+        assert not (run_dir / "checkpoint.pt").exists()
+
+
+def test_a_rank_killed_inside_a_checkpoint_write_resumes_bitwise(continuous, config,
+                                                                  tmp_path, data_dir):
+    run_dir = tmp_path / "killed"
+    cli = [TESTS / "cli_driver.py", *_command("fsdp", data_dir, config, run_dir,
+                                              "--max-steps", STEPS)]
+    # Rank 1 dies inside the second write (step 4): its shards are on disk, nothing is
+    # published yet. torchrun then fails the whole job.
+    killed = _torchrun(*cli, env={"K3_TEST_KILL_RANK": "1:sharded-write:2"}, ok=False)
+    assert killed.returncode != 0
+    assert (run_dir / ".checkpoint.dcp.tmp").is_dir()  # the unpublished write
+    assert read_payload(run_dir / "checkpoint.dcp" / "k3.ckpt")["counters"]["step"] == 2
+    _torchrun(*cli, "--resume")
+    assert not (run_dir / ".checkpoint.dcp.tmp").exists()
+    assert_bitwise_equal(_final_state(continuous["fsdp"], tmp_path),
+                         _final_state(run_dir, tmp_path))
+    steps = [json.loads(line).get("step") for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["event"] == "train"]
+    assert steps[-3:] == [4, 5, 6] and 3 in steps  # steps 3-4 were trained twice
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_another_world_size_resumes_only_when_allowed(parallel, continuous, config,
+                                                      tmp_path, data_dir):
+    run_dir = tmp_path / "moved"
+    shutil.copytree(continuous[parallel], run_dir, symlinks=True)
+    args = ["train", "--run-dir", run_dir, "--resume", "--max-steps", STEPS + 2,
+            "--device", "cpu", "--data", data_dir]
+    strict = k3_train(*args)
+    assert strict.returncode == 2 and "data_parallel" in strict.stderr
+    assert find_checkpoint(run_dir) is not None and "runtime_changed" not in (
+        run_dir / "metrics.jsonl").read_text()
+    allowed = k3_train(*args, "--allow-runtime-change")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "no longer bitwise-identical" in allowed.stderr
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    changed = [e for e in events if e["event"] == "runtime_changed"]
+    assert len(changed) == 1 and changed[0]["step"] == STEPS
+    assert changed[0]["changes"]["data_parallel.world_size"]["saved"] == 2
+    assert [e["step"] for e in events if e["event"] == "train"][-2:] == [STEPS + 1, STEPS + 2]
+    # One process writes the single-file form and drops the sharded one it resumed from.
+    assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "checkpoint.dcp").exists()
+    assert read_payload(run_dir / "checkpoint.pt")["counters"]["step"] == STEPS + 2
+
+
+def test_inspect_reads_a_sharded_checkpoint_and_verifies_every_shard(continuous, tmp_path):
+    run_dir = tmp_path / "inspected"
+    shutil.copytree(continuous["fsdp"], run_dir, symlinks=True)
+    shown = k3_train("inspect", run_dir)
+    assert shown.returncode == 0, shown.stderr
+    assert "every digest verified" in shown.stdout and "data_parallel  mode=fsdp" in shown.stdout
+    assert f"step={STEPS}" in shown.stdout
+    shard = next((run_dir / "checkpoint.dcp").glob("__1_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    corrupt = k3_train("inspect", run_dir / "checkpoint.dcp")
+    assert corrupt.returncode == 2 and shard.name in corrupt.stderr
+    refused = k3_train("train", "--run-dir", run_dir, "--resume", "--max-steps", STEPS + 1,
+                       "--device", "cpu", "--allow-runtime-change")
+    assert refused.returncode == 2 and "sha256" in refused.stderr
+    assert [l for l in refused.stderr.splitlines() if l.strip()][-1].startswith("k3-train")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_checkpoint_refused_on_one_rank_changes_no_rank(parallel, tmp_path, data_dir):
+    checkpoint = tmp_path / ("checkpoint.dcp" if parallel == "fsdp" else "checkpoint.pt")
+    _worker(tmp_path / "first", data_dir, parallel, "--checkpoint", checkpoint)
+    ranks = _worker(tmp_path / "second", data_dir, parallel, "--resume", checkpoint,
+                    "--reject-on-rank", "1")
+    assert "train_config.peak_lr" in ranks[1]["refused"]
+    assert "another rank refused" in ranks[0]["refused"]  # rank 0 alone would accept it
+    assert ranks[0]["unchanged"] and ranks[1]["unchanged"]
+    assert ranks[0]["cursors"] == ranks[1]["cursors"] == [0, 0]
