@@ -23,7 +23,7 @@ from k3_trainer import TokenDataLoader
 
 TESTS = Path(__file__).resolve().parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-STEPS, BATCH = 6, 4
+STEPS, BATCH = 10, 4
 TAU = 0.02  # below the small model's max logits: QK-Clip rescales heads every step
 
 distributed = pytest.mark.distributed

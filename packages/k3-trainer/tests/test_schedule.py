@@ -57,3 +57,15 @@ def test_decay_horizon_defaults_to_max_steps_once():
     resumed = TrainConfig.from_dict({**cfg.to_dict(), "max_steps": 200})
     assert resumed.decay_steps == 70
     assert math.isclose(learning_rate_at_step(resumed, 70), cfg.min_lr_ratio * cfg.peak_lr)
+
+
+def test_warmup_defaults_from_the_planned_horizon_not_the_session_length():
+    """A first session of 3 steps with the planned --decay-steps 100 warms up like the
+    uninterrupted 100-step run, so the two follow one LR schedule step for step."""
+    session = TrainConfig(max_steps=3, decay_steps=100)
+    whole = TrainConfig(max_steps=100)
+    assert session.warmup_steps == whole.warmup_steps == 10
+    assert TrainConfig(max_steps=1000).warmup_steps == 20  # capped
+    resumed = TrainConfig.from_dict({**session.to_dict(), "max_steps": 100})
+    assert [learning_rate_at_step(resumed, s) for s in range(1, 101)] == [
+        learning_rate_at_step(whole, s) for s in range(1, 101)]

@@ -52,7 +52,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     # schedule
     lr_schedule: str = "cosine"
-    warmup_steps: int | None = None  # None: min(20, max_steps // 10)
+    warmup_steps: int | None = None  # None: min(20, decay_steps // 10)
     decay_steps: int | None = None  # None: max_steps (resolved once, then fixed)
     min_lr_ratio: float = 0.1
     # run length and intervals (successful steps)
@@ -74,13 +74,15 @@ class TrainConfig:
     overfit_batch: bool = False
 
     def __post_init__(self) -> None:
-        # Warmup and the cosine horizon default from this run's length and are then stored
-        # as numbers, so extending max_steps on resume moves neither.
+        # The cosine horizon defaults to this run's length, and warmup to a tenth of the
+        # horizon (at most 20 steps); both are then stored as numbers, so extending
+        # max_steps on resume moves neither, and a session that names the planned horizon
+        # (--decay-steps) warms up exactly as the uninterrupted run would.
         if isinstance(self.max_steps, int) and not isinstance(self.max_steps, bool):
-            if self.warmup_steps is None:
-                object.__setattr__(self, "warmup_steps", min(20, self.max_steps // 10))
             if self.decay_steps is None:
                 object.__setattr__(self, "decay_steps", self.max_steps)
+            if self.warmup_steps is None and isinstance(self.decay_steps, int):
+                object.__setattr__(self, "warmup_steps", min(20, self.decay_steps // 10))
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
                      "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
                      "eval_batches", "decay_steps"):
