@@ -6,7 +6,8 @@ and the min-max of the per-repeat ratios. The candidate's save includes fsync of
 the directory; the baseline is what most training loops do: torch.save, no fsync (a
 ``torch.save + fsync`` row separates the two costs). The load baselines are torch.load alone,
 and torch.load plus load_state_dict into the model and optimizer, which is the work
-load_checkpoint also does. A last table times the candidate digests over the large file.
+load_checkpoint also does. A last table times the candidate digests over the large file; the
+k3 digest row (blocks hashed on every core) is the least a verify-before-unpickle load can add.
 
     python benchmarks/bench_checkpoint.py            # small and large state, 9 repeats
     python benchmarks/bench_checkpoint.py --quick    # small state, 3 repeats (smoke test)
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from k3_checkpoint import load_checkpoint, read_payload, save_checkpoint
+from k3_checkpoint.digest import _threads, digest_of_view
 
 TARGET = 1.25
 
@@ -199,6 +201,7 @@ def digest_rates(path: Path, repeats: int) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for name, function in (
         ("sha256", lambda: hashlib.sha256(data).digest()),
+        (f"k3 digest (4 MiB blocks, {_threads()} threads)", lambda: digest_of_view(data)),
         ("blake2b", lambda: hashlib.blake2b(data).digest()),
         ("crc32 (not a digest; reference)", lambda: zlib.crc32(data)),
         (

@@ -2,13 +2,14 @@
 
 ``digest = sha256(sha256(block_0) || sha256(block_1) || ...)``, blocks of ``BLOCK`` bytes
 (the last one shorter). A plain sha256 is one serial stream, and on this project's CPUs it
-runs at about 1 GB/s, no faster than ``torch.load`` copies tensors; blocks hash in parallel
+runs at about 1-2 GB/s, no faster than ``torch.load`` copies tensors; blocks hash in parallel
 (``hashlib`` releases the GIL), so the digest costs a fraction of a pass on idle cores. Any
 change to any block changes that block's hash and so the digest, with sha256's strength.
 
-Saving hashes while ``torch.save`` writes (``HashingWriter``: no second pass over the file);
-loading reads the file into memory once, hashing each block while the next is read
-(``read_and_digest``), and only then unpickles those same bytes.
+Saving hashes each block from the page cache as soon as ``torch.save`` has written past it
+(``TrailingHasher``: torch never waits for a hash, and the last blocks hash while the file is
+flushed to disk). Loading reads the file into memory once, hashing each block while the next
+is read (``read_and_digest``), and only then unpickles those same bytes.
 
 Reproduce it without this package::
 
@@ -19,19 +20,21 @@ Reproduce it without this package::
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO
 
 Buffer = bytes | bytearray | memoryview
 
 __all__ = [
-    "BLOCK", "HashingWriter", "digest_of_bytes", "digest_of_view", "read_and_digest",
+    "BLOCK", "TrailingHasher", "digest_of_bytes", "digest_of_view", "read_and_digest",
 ]  # fmt: skip
 
 BLOCK = 4 << 20
-_MAX_THREADS = 8  # sha256 at ~1 GB/s per core: 8 cores outrun a page-cache read
-_INLINE = 64 << 10  # pieces smaller than this are hashed on the calling thread
+_MAX_THREADS = 8  # sha256 at ~1-2 GB/s per core: 8 cores outrun a page-cache read
+_LAG = 2  # blocks still hashing when torch.save returns that are worth an early data sync
 
 
 def digest_of_bytes(data: Buffer) -> bytes:
@@ -53,56 +56,39 @@ def digest_of_view(data: Buffer) -> bytes:
     return hashlib.sha256(b"".join(digests)).digest()
 
 
-class HashingWriter:
-    """A write-only file for ``torch.save`` that passes every byte to ``file`` and hashes it.
+class TrailingHasher:
+    """A write-through file for ``torch.save`` that hashes what it has written, from the file.
 
-    torch writes each tensor's storage in one call. A call's bytes are split at block
-    boundaries and each piece goes to its block's own sha256 on a worker thread, straight
-    from the caller's buffer (no copy), while the main thread writes the same buffer to
-    ``file``; the call returns once all of it is hashed and written. Use as a context
-    manager, then read ``digest()`` and ``length``.
+    ``file`` (opened for reading and writing) receives every byte at once; each time the data
+    written since ``start`` completes a block, that block is hashed on a worker thread from a
+    read-only mapping of the file, i.e. the bytes the page cache now holds and the disk will
+    hold. Nothing waits for a hash while torch writes, and no caller buffer is kept past its
+    ``write`` call. ``finish()`` hashes the last block and returns the digest. Use as a
+    context manager so the workers stop even when torch fails half-way.
     """
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, start: int) -> None:
         self.file = file
         self.name = getattr(file, "name", None)  # what a file object would report
         self.length = 0
+        self._start = start
         self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="k3-digest")
-        self._done: list[Any] = []  # finished blocks' sha256 objects, in order
-        self._block = hashlib.sha256()
-        self._filled = 0
+        self._hashes: list[Future[bytes]] = []
 
-    def __enter__(self) -> HashingWriter:
+    def __enter__(self) -> TrailingHasher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def write(self, data: Buffer) -> int:
-        view = memoryview(data).cast("B")
-        size, position = len(view), 0
-        pieces = []
-        while position < size:
-            take = min(BLOCK - self._filled, size - position)
-            pieces.append((self._block, view[position : position + take]))
-            self._filled += take
-            position += take
-            if self._filled == BLOCK:
-                self._done.append(self._block)
-                self._block, self._filled = hashlib.sha256(), 0
-        hashing = []
-        for block, piece in pieces:
-            if len(piece) < _INLINE:  # torch's small records: cheaper here than on a thread
-                block.update(piece)
-            else:
-                hashing.append(self._pool.submit(block.update, piece))
-        try:
-            self.file.write(view)
-        finally:  # the caller may free its buffer once write() returns, even by an error
-            for future in hashing:
-                future.result()
-        self.length += size
-        return size
+        written = self.file.write(data)
+        self.length += written
+        if self.length >= (len(self._hashes) + 1) * BLOCK:
+            self.file.flush()  # the mapping reads the file, not Python's buffer
+            while self.length >= (len(self._hashes) + 1) * BLOCK:
+                self._submit(BLOCK)
+        return written
 
     def flush(self) -> None:
         self.file.flush()
@@ -110,10 +96,23 @@ class HashingWriter:
     def fileno(self) -> int:
         return self.file.fileno()
 
-    def digest(self) -> bytes:
-        """The digest of everything written (call after the last write)."""
-        blocks = self._done + ([self._block] if self._filled else [])
-        return hashlib.sha256(b"".join(block.digest() for block in blocks)).digest()
+    def finish(self, meanwhile: Callable[[], object] | None = None) -> bytes:
+        """The digest of everything written. ``meanwhile`` (e.g. an fdatasync, which releases
+        the GIL) runs on this thread while the workers hash the remaining blocks, if the
+        hashing has fallen behind by at least ``_LAG`` blocks (busy cores); with the hashing
+        caught up it would only add work."""
+        self.file.flush()
+        tail = self.length - len(self._hashes) * BLOCK
+        if tail:
+            self._submit(tail)
+        pending = sum(not future.done() for future in self._hashes)
+        if meanwhile is not None and pending >= _LAG:
+            meanwhile()
+        return hashlib.sha256(b"".join(future.result() for future in self._hashes)).digest()
+
+    def _submit(self, size: int) -> None:
+        offset = self._start + len(self._hashes) * BLOCK
+        self._hashes.append(self._pool.submit(_hash_mapped, self.file.fileno(), offset, size))
 
 
 def read_and_digest(file: BinaryIO, length: int) -> tuple[list[bytes], bytes]:
@@ -132,6 +131,20 @@ def read_and_digest(file: BinaryIO, length: int) -> tuple[list[bytes], bytes]:
             digests.append(pool.submit(_sha256, block))
         digest = hashlib.sha256(b"".join(future.result() for future in digests)).digest()
     return blocks, digest
+
+
+def _hash_mapped(descriptor: int, offset: int, size: int) -> bytes:
+    """sha256 of ``size`` bytes at ``offset`` of a file, read through a read-only mapping
+    (no copy into Python memory; the mapping is gone when this returns)."""
+    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(
+        descriptor, offset + size - aligned, access=mmap.ACCESS_READ, offset=aligned
+    )
+    try:
+        with memoryview(mapping) as whole, whole[offset - aligned :] as piece:
+            return hashlib.sha256(piece).digest()
+    finally:
+        mapping.close()
 
 
 def _sha256(data: Buffer) -> bytes:

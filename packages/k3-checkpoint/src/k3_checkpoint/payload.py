@@ -17,11 +17,12 @@ file matter: a flip or a cut anywhere is a ``CheckpointError``, never a half-rea
 The payload itself is read only with ``torch.load(weights_only=True)``, so a hostile pickle
 cannot run code (the digest is not a signature: anyone can recompute it).
 
-Writes are atomic: ``path.tmp`` is written with a blank header, the payload is hashed while
-``torch.save`` writes it, the header is filled in once it is complete, the file is flushed and
-fsynced, renamed over ``path``, and the directory is fsynced. A crash at any point leaves the
-previous ``path`` intact. Nothing reads ``.tmp`` in place of ``path``, and one cut short
-mid-write has a blank header, which the reader refuses by name.
+Writes are atomic: ``path.tmp`` is written with a blank header, the payload is hashed from the
+file while ``torch.save`` writes it (the last blocks while its data is flushed to disk), the
+header is filled in once it is complete, the file is fsynced, renamed over ``path``, and the
+directory is fsynced. A crash at any point leaves the previous ``path`` intact. Nothing reads
+``.tmp`` in place of ``path``, and one cut short mid-write has a blank header, which the reader
+refuses by name.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .digest import HashingWriter, read_and_digest
+from .digest import TrailingHasher, read_and_digest
 from .errors import CheckpointError
 
 __all__ = ["FORMAT_VERSION", "HISTORICAL_FORMATS", "read_payload", "write_payload"]
@@ -67,11 +68,13 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
     try:
-        with open(temporary, "wb") as file:
+        with open(temporary, "w+b") as file:  # read too: the hasher maps what was written
             file.write(bytes(HEADER_SIZE))  # blank: marks an unfinished write
-            with HashingWriter(file) as writer:  # hashed as written: no second pass
+            with TrailingHasher(file, HEADER_SIZE) as writer:
                 torch.save(dict(payload), writer)  # type: ignore[arg-type]  # has write()
-                digest = writer.digest()
+                # If the hashing lags (busy cores), the payload heads for the disk while the
+                # last blocks hash, and the fsync below has little left but the header.
+                digest = writer.finish(meanwhile=lambda: _sync_data(file.fileno()))
             file.seek(0)
             file.write(pack_header(FORMAT_VERSION, writer.length, digest))
             file.flush()
@@ -119,7 +122,7 @@ def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
 
     The file is read once into memory, each block hashed while the next is read; the digest
     is checked over those bytes and the same bytes are unpickled, so no byte that was not
-    verified reaches the unpickler.
+    verified reaches the unpickler, even if the file changes meanwhile.
     """
     path = Path(path)
     try:
@@ -151,6 +154,12 @@ def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
             path=path,
         )
     return payload, actual.hex()
+
+
+def _sync_data(descriptor: int) -> None:
+    """Start the payload's way to the disk early (the closing fsync makes it durable)."""
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(descriptor)
 
 
 class MemoryFile(io.RawIOBase):
