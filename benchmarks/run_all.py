@@ -27,6 +27,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("data", "bench_data.py", []),
     ("model", "bench_model.py", []),
     ("compile", "bench_compile.py", ["--presets", "tiny"]),
+    ("distributed", "bench_distributed.py", []),
     ("gpu_check", "gpu_check.py", None),  # CUDA checks, or a CPU smoke run without CUDA
 ]
 

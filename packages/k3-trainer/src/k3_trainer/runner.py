@@ -28,6 +28,7 @@ from .checkpointing import (
     load_checkpoint,
     resume_checkpoint,
 )
+from .compiling import prepare_model
 from .config import ConfigError, TrainConfig, TrainState
 from .data import MANIFEST_FORMAT, TokenDataLoader, check_vocab_fits
 from .distributed import Parallel, init_parallel, set_balancer_gather, shutdown
@@ -172,6 +173,9 @@ class _Session:
         if parallel is None:
             self.optimizer = build_optimizer(self.model, config)
             return
+        # Activation checkpointing and compile before sharding/wrapping (the order PyTorch
+        # recommends); train() finds them applied and leaves them be.
+        prepare_model(self.model, config)
         parallel.wrap(self.model)
         self.optimizer = build_optimizer(self.model, config,
                                          distributed=True if parallel.mode == "ddp" else None)

@@ -1,0 +1,163 @@
+"""Trainer step time on 1 process vs 2 data-parallel ranks (DDP, FSDP2) at equal global batch.
+
+Run: ``hatch run bench:distributed`` (``--quick`` for a smoke run). The 2 ranks run on CPU
+over gloo with per-rank batch B/2; the one process reads the whole global batch B, so
+every candidate trains on the same tokens per step (issue #17's "1 vs 2 ranks at equal
+global batch"). On a 2-core machine the fair pairing is 2 ranks × 1 thread against 1
+process × 2 threads (the same cores); 1 process × 1 thread is shown for scale, and is
+the steadier baseline on a loaded machine, where 2 OpenMP threads that wait on each other
+lose whole time slices to other processes.
+
+Each round launches the one-process candidates in a fresh process, then both 2-rank
+candidates in one fresh pair of processes (DDP, then FSDP2), so rounds interleave the
+candidates. A candidate's figure is the median over rounds of its per-round median step
+time, the time between consecutive ``train()`` updates (warm-up steps dropped; no log,
+eval or checkpoint inside the timed steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from common import print_table, write_json
+from k3_model import K3Model, preset
+from k3_trainer import (
+    MetricsLog,
+    TokenDataLoader,
+    TrainConfig,
+    build_optimizer,
+    prepare_dataset,
+    train,
+)
+from k3_trainer.distributed import Parallel, init_parallel, set_balancer_gather, shutdown
+
+SINGLE = ("1 process × 2 threads", "1 process × 1 thread")
+RANKED = ("2 ranks DDP × 1 thread", "2 ranks FSDP2 × 1 thread")
+QUICK_MODEL = dict(d_model=32, n_layers=2, n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                   qk_rope_head_dim=8, v_head_dim=8, n_experts=4, moe_d_ff=32, d_ff=64)
+
+
+def _settings(quick: bool) -> dict[str, Any]:
+    """Model, global batch and step counts: the tiny preset at the trainer's default
+    global batch (16 × 128), or a shrunk tiny model for the smoke run."""
+    if quick:
+        return {"model": QUICK_MODEL, "batch": 8, "seq_len": 32, "warmup": 2, "steps": 4}
+    return {"model": {}, "batch": 16, "seq_len": 128, "warmup": 2, "steps": 8}
+
+
+def _step_seconds(data: Path, settings: dict[str, Any], parallel: Parallel | None) -> list[float]:
+    """Train a fresh model for warm-up + timed steps; the timed steps' durations."""
+    world = parallel.world_size if parallel is not None else 1
+    rank = parallel.rank if parallel is not None else 0
+    total = settings["warmup"] + settings["steps"]
+    config = TrainConfig(batch_size=settings["batch"] // world, seq_len=settings["seq_len"],
+                         max_steps=total, decay_steps=total, log_interval=10 * total,
+                         eval_interval=10 * total, checkpoint_interval=10 * total,
+                         eval_batches=1)
+    torch.manual_seed(config.seed)
+    model = K3Model(preset("tiny", **settings["model"]))
+    if parallel is not None:
+        parallel.wrap(model)
+    optimizer = build_optimizer(model, config,
+                                distributed=True if parallel and parallel.mode == "ddp" else None)
+    loaders = [TokenDataLoader(data, split, config.batch_size, config.seq_len, rank=rank,
+                               world_size=world) for split in ("train", "val")]
+    stamps: list[float] = []
+    train(model, optimizer, *loaders, config, torch.device("cpu"), log=MetricsLog(None),
+          parallel=parallel, on_update=lambda state, stats: stamps.append(time.perf_counter()))
+    return [b - a for a, b in itertools.pairwise(stamps)][settings["warmup"] - 1:]
+
+
+def _single_worker(index: int, data: str, settings: dict[str, Any], out: str) -> None:
+    """One process, the whole global batch: 2 threads, then 1."""
+    seconds = {}
+    for name, threads in zip(SINGLE, (2, 1)):
+        torch.set_num_threads(threads)
+        seconds[name] = _step_seconds(Path(data), settings, None)
+    Path(out).write_text(json.dumps(seconds))
+
+
+def _ranked_worker(rank: int, world: int, port: int, data: str, settings: dict[str, Any],
+                   out: str) -> None:
+    """One of the 2 ranks, 1 thread, per-rank batch B/2: DDP, then FSDP2, in one group."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    seconds = {}
+    parallel = None
+    for name, mode in zip(RANKED, ("ddp", "fsdp")):
+        parallel, _ = init_parallel(mode, torch.device("cpu"))
+        assert parallel is not None
+        set_balancer_gather(parallel.gather_rows)  # as the trainer's runner does
+        seconds[name] = _step_seconds(Path(data), settings, parallel)
+        set_balancer_gather(None)
+    if rank == 0:
+        Path(out).write_text(json.dumps(seconds))
+    shutdown(parallel)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="shrunk model, one round")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 1)")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    settings = _settings(args.quick)
+    rounds = args.rounds or (1 if args.quick else 3)
+    per_round: dict[str, list[float]] = {name: [] for name in (*SINGLE, *RANKED)}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "builtin"
+        prepare_dataset([], data)
+        for index in range(rounds):
+            out = Path(tmp) / f"round{index}"
+            mp.spawn(_single_worker, args=(str(data), settings, f"{out}.single.json"),
+                     nprocs=1)
+            mp.spawn(_ranked_worker, args=(2, _free_port(), str(data), settings,
+                                           f"{out}.ranked.json"), nprocs=2)
+            for part in ("single", "ranked"):
+                for name, seconds in json.loads(Path(f"{out}.{part}.json").read_text()).items():
+                    per_round[name].append(statistics.median(seconds))
+    medians = {name: statistics.median(values) for name, values in per_round.items()}
+    best = {name: min(values) for name, values in per_round.items()}
+    base = medians[SINGLE[0]]
+    load = os.getloadavg()
+    tokens = settings["batch"] * settings["seq_len"]
+    rows = [[name, f"{m * 1e3:.1f}",
+             f"{best[name] * 1e3:.1f}–{max(per_round[name]) * 1e3:.1f}",
+             f"{m / base:.3f}", f"{best[name] / best[SINGLE[0]]:.3f}",
+             f"{m / medians[SINGLE[1]]:.3f}", f"{tokens / m:,.0f}"]
+            for name, m in medians.items()]
+    model = "shrunk tiny" if args.quick else "tiny"
+    print_table(f"Trainer step, {model} preset, global batch {settings['batch']} × "
+                f"{settings['seq_len']} on CPU/gloo, {rounds} round(s) of "
+                f"{settings['steps']} timed steps (load {load[0]:.2f})",
+                ["candidate", "median ms", "round medians ms", "× 1 proc × 2 thr",
+                 "× (best rounds)", "× 1 proc × 1 thr", "tokens/s"], rows)
+    write_json(args.json, {"settings": settings, "rounds": rounds, "median_s": medians,
+                           "per_round_s": per_round, "ratio_to_1_process_2_threads":
+                           {name: m / base for name, m in medians.items()},
+                           "best_round_ratio": {name: b / best[SINGLE[0]]
+                                                for name, b in best.items()},
+                           "loadavg": load})
+
+
+if __name__ == "__main__":
+    main()
