@@ -75,8 +75,8 @@ def write_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     ``k3.ckpt``, the checkpoint's identity. Raises ``OSError`` on every rank when any rank
     failed to write; the previous checkpoint at ``path`` is then untouched."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     main = parallel is None or parallel.is_main
     staging = path.with_name(f".{path.name}.tmp")
@@ -116,13 +116,21 @@ def write_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 def _hash_share(folder: Path, parallel: Parallel | None) -> dict[str, dict[str, Any]]:
     """``{file: {"bytes", "sha256"}}`` for every file DCP wrote; each rank hashes its share
     of the files and the ranks pool the results."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
     rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
-    mine = {name: _file_entry(folder / name) for name in names[rank::world]}
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.is_file())
+        mine: dict[str, Any] = {name: _file_entry(folder / name) for name in names[rank::world]}
+    except OSError as error:
+        if parallel is None:
+            raise
+        mine = {"": f"rank {rank}: {error}"}  # every rank must still join the gather
     if parallel is None:
         return mine
     pooled: list[Any] = [None] * world
     dist.all_gather_object(pooled, mine)
+    failed = [part[""] for part in pooled if "" in part]
+    if failed:
+        raise OSError(0, f"cannot hash the written shards ({'; '.join(failed)})")
     return {name: entry for part in pooled for name, entry in sorted(part.items())}
 
 
@@ -208,8 +216,8 @@ def _read_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     """DCP reads each rank's part of every tensor in place (resharding when the world size
     changed); the optimizer takes the checkpoint's hyperparameters too."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     # get_state_dict gives a never-stepped optimizer its state with one lr=0 step; the
     # checkpoint then overwrites all of it.
