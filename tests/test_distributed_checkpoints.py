@@ -191,3 +191,23 @@ def test_a_checkpoint_refused_on_one_rank_changes_no_rank(parallel, tmp_path, da
     assert "another rank refused" in ranks[0]["refused"]  # rank 0 alone would accept it
     assert ranks[0]["unchanged"] and ranks[1]["unchanged"]
     assert ranks[0]["cursors"] == ranks[1]["cursors"] == [0, 0]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_failed_checkpoint_write_stops_every_rank(parallel, config, tmp_path, data_dir):
+    """The disk fills during the first checkpoint (no file may grow past 400 KB): the ranks
+    agree that the write failed and stop with a one-line error each, with no traceback,
+    instead of rank 1 waiting for a writer that is gone; nothing is published."""
+    run_dir = tmp_path / "full"
+    failed = _torchrun(TESTS / "cli_driver.py",
+                       *_command(parallel, data_dir, config, run_dir, "--max-steps", STEPS),
+                       env={"K3_TEST_FSIZE": str(400_000)}, ok=False)
+    assert failed.returncode != 0
+    assert "k3-train[rank 0]: error: cannot write checkpoint" in failed.stderr, failed.stderr
+    # Rank 1 reports its own line unless torchrun, seeing rank 0 exit first, has already
+    # terminated it; either way no rank dies of an unhandled exception.
+    assert ("k3-train[rank 1]: error: cannot write checkpoint" in failed.stderr
+            or "Signal 15 (SIGTERM) received" in failed.stderr), failed.stderr[-3000:]
+    assert "Traceback" not in "\n".join(line for line in failed.stderr.splitlines()
+                                        if line.startswith("[rank"))
+    assert find_checkpoint(run_dir) is None

@@ -81,7 +81,7 @@ class CheckpointWriteError(OSError):
     """
 
     def __init__(self, path: str | Path, error: OSError) -> None:
-        previous = ("the previous checkpoint there is unchanged" if Path(path).is_file()
+        previous = ("the previous checkpoint there is unchanged" if Path(path).exists()
                     else "no checkpoint was written")
         reason = error.strerror or str(error)
         super().__init__(error.errno, f"cannot write checkpoint {path}: {reason}; {previous}")

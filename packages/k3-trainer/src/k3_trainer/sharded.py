@@ -74,6 +74,7 @@ def write_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     """Write the sharded checkpoint ``path`` (call on every rank); returns the digest of its
     ``k3.ckpt``, the checkpoint's identity. Raises ``OSError`` on every rank when any rank
     failed to write; the previous checkpoint at ``path`` is then untouched."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
@@ -94,7 +95,7 @@ def write_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
             save({"model": model_state, "optimizer": optimizer_state},
                  storage_writer=FileSystemWriter(staging, sync_files=True),
                  no_dist=not dist.is_initialized())
-    except Exception as error:  # DCP raises the same CheckpointException on every rank
+    except (Exception, CheckpointException) as error:  # the latter on every rank
         raise _os_error(error, staging) from error
     index = _hash_share(staging, parallel)
     digest = ""
@@ -373,21 +374,28 @@ def _any(parallel: Parallel | None, flag: bool) -> bool:
     return parallel.any(flag) if parallel is not None else flag
 
 
-def _os_error(error: Exception, where: Path) -> OSError:
-    """The OSError behind a DCP failure (disk full...), or one that names the failure."""
-    seen, link = set(), error
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if isinstance(link, OSError):
-            return link
-        failures = getattr(link, "failures", None)  # DCP's CheckpointException: rank -> error
-        if isinstance(failures, Mapping):
-            for failure in failures.values():
-                if isinstance(failure, OSError):
-                    return failure
-        link = link.__cause__ or link.__context__  # type: ignore[assignment]
-    first = (str(error).splitlines() or [""])[0]
-    return OSError(0, f"{type(error).__name__}: {first}", str(where))
+def _os_error(error: BaseException, where: Path) -> OSError:
+    """The OSError behind a DCP failure (disk full...), or one that names the failure.
+
+    DCP raises a ``CheckpointException`` (a ``BaseException``) on every rank, listing each
+    failed rank's own exception; torch's file writer often reports a failed write as a
+    ``RuntimeError`` about stream positions, with no OSError attached."""
+    failures = getattr(error, "failures", None)
+    causes: list[tuple[str, BaseException]] = [("", error)]
+    if isinstance(failures, Mapping):
+        causes = [(f"rank {rank}: ", failure[0] if isinstance(failure, tuple) else failure)
+                  for rank, failure in sorted(failures.items())]
+    for _, cause in causes:
+        link: BaseException | None = cause
+        seen: set[int] = set()
+        while link is not None and id(link) not in seen:
+            seen.add(id(link))
+            if isinstance(link, OSError):
+                return link
+            link = link.__cause__ or link.__context__
+    described = "; ".join(f"{who}{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+                          for who, cause in causes)
+    return OSError(0, f"writing the shards into {where} failed ({described})")
 
 
 @contextlib.contextmanager
