@@ -43,6 +43,7 @@ def test_another_runtime_is_refused_by_default(tmp_path, two_steps, other_thread
     assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_threads" in err[0] and "runtime" in err[0]
+    assert err[0].endswith("pass --allow-runtime-change to continue anyway (no bitwise promise)")
     assert tree_bytes(run) == before
 
 

@@ -260,10 +260,13 @@ def _run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume
     runtime_changes: dict[str, Any] = {}
     if resume:
         assert found is not None
-        resumed = resume_checkpoint(found, session.model, session.optimizer,
-                                    config, session.train_loader, session.val_loader,
-                                    allow_runtime_change=allow_runtime_change,
-                                    parallel=parallel)
+        try:
+            resumed = resume_checkpoint(found, session.model, session.optimizer,
+                                        config, session.train_loader, session.val_loader,
+                                        allow_runtime_change=allow_runtime_change,
+                                        parallel=parallel)
+        except k3_checkpoint.CheckpointError as error:
+            raise _with_runtime_hint(error, allow_runtime_change) from error
         state, runtime_changes = resumed.state, resumed.runtime_changes
         if state.step >= config.max_steps:
             # Success for a supervisor that restarts until the run is done.
@@ -310,6 +313,18 @@ def _train_quietly(session: _Session, config: TrainConfig, device: torch.device,
     train(session.model, session.optimizer, session.train_loader, session.val_loader,
           config, device, state=state, checkpoint_path=checkpoint, parallel=parallel)
     return 0
+
+
+def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
+                       allowed: bool) -> k3_checkpoint.CheckpointError:
+    """``error``, naming the opt-in when what it refused is only the runtime or the
+    data-parallel layout (another machine, thread count or world size)."""
+    if allowed or not error.reason.startswith(("incompatible runtime —",
+                                               "incompatible data_parallel —")):
+        return error
+    return k3_checkpoint.CheckpointError(
+        f"{error.reason}; pass --allow-runtime-change to continue anyway (no bitwise "
+        "promise)", path=error.path)
 
 
 def _report_runtime_changes(log: MetricsLog, state: TrainState,
