@@ -166,3 +166,22 @@ def test_inspect_describes_the_folder(saved):
     lines = sharded.describe_sharded(saved[0])
     assert lines[0].startswith("checkpoint ") and "every digest verified" in lines[1]
     assert any(line.startswith("counter ") and "value=2" in line for line in lines)
+
+
+def test_a_run_directory_names_its_newest_checkpoint_in_either_form(saved, tmp_path):
+    """Both forms exist only after a crash between publishing one and deleting the other:
+    the newer one is the run's checkpoint; a leftover staging folder never is."""
+    from k3_trainer.checkpointing import find_checkpoint
+
+    path = saved[0]
+    run_dir = path.parent
+    assert find_checkpoint(run_dir) == path
+    (run_dir / ".checkpoint.dcp.tmp").mkdir()
+    single = run_dir / "checkpoint.pt"
+    single.write_bytes(b"newer")
+    assert find_checkpoint(run_dir) == single
+    os.utime(single, (1, 1))  # now older than the folder's k3.ckpt
+    assert find_checkpoint(run_dir) == path
+    path.unlink()  # the symlink gone: only the file is left
+    assert find_checkpoint(run_dir) == single
+    assert find_checkpoint(tmp_path / "nothing") is None
