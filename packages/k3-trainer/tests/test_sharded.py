@@ -185,3 +185,12 @@ def test_a_run_directory_names_its_newest_checkpoint_in_either_form(saved, tmp_p
     path.unlink()  # the symlink gone: only the file is left
     assert find_checkpoint(run_dir) == single
     assert find_checkpoint(tmp_path / "nothing") is None
+
+
+def test_saving_the_published_step_again_never_removes_the_live_checkpoint(saved):
+    path, (model, optimizer, counter), _ = saved
+    live = path.resolve()
+    _save(path, model, optimizer, counter)  # step 2 again
+    assert path.resolve().name == "checkpoint.dcp.step-00000002.again"
+    assert not live.exists()  # the old folder goes only once the new one is published
+    _load(path, *_run(seed=1))

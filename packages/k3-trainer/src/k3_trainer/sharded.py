@@ -150,12 +150,10 @@ def _publish(staging: Path, path: Path, step: int) -> None:
                          "move it away")
     previous = path.parent / os.readlink(path) if path.is_symlink() else None
     final = path.with_name(f"{path.name}.step-{step:08d}")
-    if final.exists() and final != previous:  # a killed session got this far before
+    if final == previous:  # the same step saved again: never touch the live checkpoint
+        final = final.with_name(f"{final.name}.again")
+    if final.exists():  # a killed session got this far before, never published
         shutil.rmtree(final)
-    if final == previous:  # the same step saved again (a re-run of a killed session)
-        path.unlink()
-        shutil.rmtree(final)
-        previous = None
     os.rename(staging, final)
     link = path.with_name(f".{path.name}.link")
     link.unlink(missing_ok=True)
@@ -202,9 +200,11 @@ def read_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         raise error
     assert loaded is not None
     resumed_rng = k3_checkpoint.capture_rng()
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         _read_tensors(path, model, optimizer)
-    except Exception as exc:  # after every check passed: an I/O failure mid-read
+    except (Exception, CheckpointException) as exc:  # every check passed: I/O failed
         raise k3_checkpoint.CheckpointError(
             "restore failed after every check passed, so the model and optimizer may be "
             f"partly restored; rebuild them before trying again ({type(exc).__name__}: "
