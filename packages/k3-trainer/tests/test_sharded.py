@@ -194,3 +194,19 @@ def test_saving_the_published_step_again_never_removes_the_live_checkpoint(saved
     assert path.resolve().name == "checkpoint.dcp.step-00000002.again"
     assert not live.exists()  # the old folder goes only once the new one is published
     _load(path, *_run(seed=1))
+
+
+def test_a_symlink_to_a_folder_this_module_did_not_write_is_never_deleted(saved, tmp_path):
+    """A user who points checkpoint.dcp at a checkpoint kept elsewhere (an absolute link)
+    resumes from it; the next save replaces the link and leaves that folder alone."""
+    path, (model, optimizer, counter), _ = saved
+    elsewhere = tmp_path / "kept" / "my-checkpoint"
+    elsewhere.parent.mkdir()
+    os.rename(path.resolve(), elsewhere)
+    path.unlink()
+    os.symlink(elsewhere, path)
+    _load(path, *_run(seed=1))
+    _step(model, optimizer, counter)
+    _save(path, model, optimizer, counter)
+    assert os.readlink(path) == "checkpoint.dcp.step-00000003"
+    assert (elsewhere / "k3.ckpt").is_file()  # untouched

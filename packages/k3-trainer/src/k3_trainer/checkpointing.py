@@ -7,7 +7,6 @@ names the trainer's parts. To checkpoint one more stateful object, add it to ``_
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from k3_qkclip import QKClip, QKClipPolicy
 from .config import TrainConfig, TrainState
 from .data import TokenDataLoader
 from .distributed import Parallel
-from .sharded import is_sharded, read_sharded, reshard, write_sharded
+from .sharded import is_sharded, owned_target, read_sharded, reshard, write_sharded
 
 CHECKPOINT = "checkpoint.pt"
 """A run's checkpoint, one format-7 file: one process, or DDP (written by rank 0)."""
@@ -335,9 +334,10 @@ def _drop_other_form(path: Path) -> None:
     if path.name == CHECKPOINT:
         other = path.with_name(SHARDED_CHECKPOINT)
         if other.is_symlink():
-            target = other.parent / os.readlink(other)
+            target = owned_target(other)
             other.unlink()
-            shutil.rmtree(target, ignore_errors=True)
+            if target is not None:
+                shutil.rmtree(target, ignore_errors=True)
     elif path.name == SHARDED_CHECKPOINT:
         path.with_name(CHECKPOINT).unlink(missing_ok=True)
 

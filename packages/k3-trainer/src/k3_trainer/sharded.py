@@ -148,7 +148,7 @@ def _publish(staging: Path, path: Path, step: int) -> None:
     if path.exists() and not path.is_symlink():
         raise OSError(0, f"{path} exists and is not the symlink a sharded checkpoint keeps; "
                          "move it away")
-    previous = path.parent / os.readlink(path) if path.is_symlink() else None
+    previous = owned_target(path)
     final = path.with_name(f"{path.name}.step-{step:08d}")
     if final == previous:  # the same step saved again: never touch the live checkpoint
         final = final.with_name(f"{final.name}.again")
@@ -163,6 +163,17 @@ def _publish(staging: Path, path: Path, step: int) -> None:
     _fsync_directory(path.parent)
     if previous is not None and previous.exists():
         shutil.rmtree(previous)
+
+
+def owned_target(path: Path) -> Path | None:
+    """The step folder the symlink ``path`` names, if it is one this module wrote (a
+    sibling called ``<name>.step-…``); None for anything else, which is never deleted."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.readlink(path))
+    if target.parent != Path(".") or not target.name.startswith(f"{path.name}.step-"):
+        return None
+    return path.parent / target
 
 
 # --- load ---------------------------------------------------------------------------------
