@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", type=Path, help="dataset folder (default: built-in corpus)")
     train.add_argument("--config", type=Path, help="TOML file: preset, [train], [model]")
     train.add_argument("--resume", action="store_true",
-                       help="continue from RUN_DIR/checkpoint.pt (strictly validated)")
+                       help="continue from RUN_DIR's checkpoint (checkpoint.pt, or the "
+                            "sharded checkpoint.dcp of FSDP2; strictly validated)")
     train.add_argument("--preset", help="model size preset (default: tiny)")
     train.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     train.add_argument("--report", action="store_true",
