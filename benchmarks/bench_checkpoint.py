@@ -6,8 +6,12 @@ and the min-max of the per-repeat ratios. The candidate's save includes fsync of
 the directory; the baseline is what most training loops do: torch.save, no fsync (a
 ``torch.save + fsync`` row separates the two costs). The load baselines are torch.load alone,
 and torch.load plus load_state_dict into the model and optimizer, which is the work
-load_checkpoint also does. A last table times the candidate digests over the large file; the
-k3 digest row (blocks hashed on every core) is the least a verify-before-unpickle load can add.
+load_checkpoint also does. Those rows repeat loads in one process, where the allocator hands
+each load memory an earlier one already faulted in; a real resume loads once, in a new process,
+into memory never touched, so the "resume, fresh process" rows time exactly that, one
+subprocess per measurement (a model and an optimizer with no moments yet, then the load). A
+last table times the candidate digests over the large file; the k3 digest row (blocks hashed on
+every core) is the least a verify-before-unpickle load can add.
 
     python benchmarks/bench_checkpoint.py            # small and large state, 9 repeats
     python benchmarks/bench_checkpoint.py --quick    # small state, 3 repeats (smoke test)
@@ -21,6 +25,8 @@ import hashlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -99,14 +105,20 @@ class State:
         }
 
 
-def build(name: str, vocab: int, width: int, layers: int) -> State:
+SIZES = {"small": (2048, 64, 2), "large": (4096, 256, 8)}  # vocab, width, layers
+
+
+def build(name: str, vocab: int, width: int, layers: int, *, trained: bool = True) -> State:
+    """The state; ``trained=False`` is what a resuming process has: an optimizer with no
+    moments yet."""
     torch.manual_seed(0)
     model = Decoder(vocab, width, layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    for parameter in model.parameters():  # one step so AdamW holds its moments
-        parameter.grad = torch.randn_like(parameter)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if trained:
+        for parameter in model.parameters():  # one step so AdamW holds its moments
+            parameter.grad = torch.randn_like(parameter)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     loaders = {
         "train": Holder(offset=123_456, manifest_digest="a" * 64),
         "val": Holder(offset=0, manifest_digest="b" * 64),
@@ -196,6 +208,68 @@ def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, 
     return table
 
 
+def resume_once(kind: str, name: str, directory: Path) -> tuple[float, float]:
+    """One resume in this (fresh) process: ``plain`` is torch.load plus load_state_dict of the
+    model and optimizer, ``k3`` is load_checkpoint. Returns the seconds it took and the peak
+    resident memory it added (MiB above the resident size before it; NaN off Linux)."""
+    state = build(name, *SIZES[name], trained=False)
+    kwargs = state.k3_kwargs()
+    gc.collect()
+    before = _resident_mib()
+    start = time.perf_counter()
+    if kind == "plain":
+        loaded = torch.load(directory / f"{name}.pt", weights_only=True)
+        state.model.load_state_dict(loaded["model"])
+        state.optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        load_checkpoint(directory / f"{name}.k3", **kwargs)  # type: ignore[arg-type]
+    seconds = time.perf_counter() - start
+    return seconds, _peak_mib() - before
+
+
+def _resident_mib() -> float:
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return float("nan")
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mib() -> float:
+    import resource  # Unix only; ru_maxrss is KiB on Linux
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_fresh_resume(
+    name: str, repeats: int, directory: Path
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A resume as it happens: once, in a new process, into memory it has never used (every
+    page of the loaded state is a first touch). One subprocess per measurement, interleaved.
+    Returns the timing row and a memory row (median peak MiB added by each side)."""
+    times: dict[str, list[float]] = {"plain": [], "k3": []}
+    peaks: dict[str, list[float]] = {"plain": [], "k3": []}
+    for repeat in range(repeats + 1):  # the first pair warms the page cache and is dropped
+        for kind in ("plain", "k3") if repeat % 2 == 0 else ("k3", "plain"):
+            command = [sys.executable, __file__, "--resume-once", kind, name, str(directory)]
+            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            seconds, peak = map(float, output.split()[-2:])
+            if repeat:
+                times[kind].append(seconds)
+                peaks[kind].append(peak)
+    base, cand = statistics.median(times["plain"]), statistics.median(times["k3"])
+    ratios = sorted(k / b for b, k in zip(times["plain"], times["k3"]))
+    ratio = cand / base
+    verdict = "met" if ratio <= TARGET else "missed"
+    size = f"{(directory / f'{name}.k3').stat().st_size / 2**20:.1f} MiB"
+    timing = (name, size, "resume, fresh process", "vs torch.load + load_state_dict",
+              f"{base * 1e3:.1f}", f"{cand * 1e3:.1f}", f"{ratio:.2f}x",
+              f"{ratios[0]:.2f}-{ratios[-1]:.2f}", verdict)  # fmt: skip
+    memory = (name, size, f"{statistics.median(peaks['plain']):.0f}",
+              f"{statistics.median(peaks['k3']):.0f}")  # fmt: skip
+    return timing, memory
+
+
 def digest_rates(path: Path, repeats: int) -> list[tuple[str, ...]]:
     data = memoryview(path.read_bytes())
     rows: list[tuple[str, ...]] = []
@@ -229,11 +303,16 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
     )
     parser.add_argument("--json", type=Path, help="also write the table rows to this file")
+    parser.add_argument("--resume-once", nargs=3, help=argparse.SUPPRESS)  # KIND NAME DIR
     args = parser.parse_args()
+    if args.resume_once:
+        kind, name, directory = args.resume_once
+        print(*resume_once(kind, name, Path(directory)))
+        return
     if args.threads:  # 1 steadies a shared machine: OpenMP copies stall when a core is taken
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.quick else 9)
-    sizes = [("small", 2048, 64, 2)] + ([] if args.quick else [("large", 4096, 256, 8)])
+    sizes = [("small", *SIZES["small"])] + ([] if args.quick else [("large", *SIZES["large"])])
     print(
         f"k3-checkpoint vs plain torch: torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads, {repeats} interleaved repeats, target <= {TARGET}x"
@@ -243,11 +322,18 @@ def main() -> None:
         rows: list[tuple[str, ...]] = []
         for name, vocab, width, layers in sizes:
             rows += bench_state(build(name, vocab, width, layers), repeats, directory)
+        fresh = 1 if args.quick else repeats  # a subprocess (torch import) per measurement
+        resumes = [bench_fresh_resume(name, fresh, directory) for name, *_ in sizes]
+        rows += [timing for timing, _ in resumes]
         header = ("state", "file", "operation", "baseline", "base ms", "k3 ms", "ratio",
                   "spread", "target")  # fmt: skip
         print_table(header, rows)
         if args.json:
             args.json.write_text(json.dumps([dict(zip(header, row)) for row in rows], indent=2))
+        print()
+        print("resume in a fresh process, peak resident memory it added (MiB, median):")
+        print_table(("state", "file", "torch.load + load_state_dict", "load_checkpoint"),
+                    [memory for _, memory in resumes])  # fmt: skip
         print()
         largest = directory / f"{sizes[-1][0]}.k3"
         print(f"digest candidates over {largest.stat().st_size / 2**20:.1f} MiB (in memory):")

@@ -58,8 +58,11 @@ def test_every_digest_path_matches_the_formula(monkeypatch, tmp_path, threads):
         source.write_bytes(b"h" * HEADER_SIZE + data)
         with open(source, "rb") as file:
             file.seek(HEADER_SIZE)
-            blocks, digest = read_and_digest(file, length)
-            assert b"".join(blocks) == data and digest == expected
+            into = bytearray(length)
+            assert read_and_digest(file, memoryview(into)) == expected and into == data
+            file.seek(HEADER_SIZE + 1)  # one byte short
+            short = read_and_digest(file, memoryview(bytearray(length)))
+            assert short == (b"" if length else expected)
         flipped = bytearray(data or b"x")
         flipped[-1] ^= 1
         assert digest_of_bytes(bytes(flipped)) != _formula(data or b"x", block)
@@ -94,7 +97,7 @@ def test_payloads_of_every_shape_round_trip(tmp_path, monkeypatch, payload):
     digest = write_payload(path, {"format_version": 7, **payload})
     raw = path.read_bytes()
     assert digest == _formula(raw[HEADER_SIZE:], 4096).hex()
-    loaded, read_digest = payload_module.read_verified(path)
+    loaded, read_digest, _ = payload_module.read_verified(path)
     assert read_digest == digest
     assert set(loaded) == {"format_version", *payload}
     for key, value in payload.items():
@@ -131,6 +134,7 @@ def test_corrupt_payloads_never_reach_torch_load(tmp_path, monkeypatch):
     path.write_bytes(raw)
     calls = []
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(args))
+    monkeypatch.setattr(payload_module, "_unpickle", lambda *args: calls.append(args))
     with pytest.raises(CheckpointError, match="digest mismatch"):
         read_payload(path)
     assert calls == []

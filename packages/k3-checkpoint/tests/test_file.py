@@ -16,6 +16,7 @@ import torch
 from ckpt_helpers import fingerprint, make_run
 
 from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
+from k3_checkpoint import buffer as buffer_module
 from k3_checkpoint.digest import digest_of_bytes
 from k3_checkpoint.payload import HEADER_SIZE, pack_header
 
@@ -160,7 +161,10 @@ class _CreatesFile:
         return (open, (str(self.target), "w"))
 
 
-def test_malicious_pickles_never_run(tmp_path):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "torch.load"])
+def test_malicious_pickles_never_run(tmp_path, monkeypatch, zero_copy):
+    if not zero_copy:  # the copying path a platform without zero-copy loading takes
+        monkeypatch.setattr(buffer_module, "zero_copy_supported", lambda: False)
     target = tmp_path / "pwned"
     raw = pickle.dumps({"format_version": 7, "model": _CreatesFile(target)})
     pickle.loads(raw)  # control: the payload really does run when unpickled naively

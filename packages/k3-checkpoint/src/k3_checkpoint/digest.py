@@ -9,7 +9,7 @@ change to any block changes that block's hash and so the digest, with sha256's s
 Saving hashes each block from the page cache as soon as ``torch.save`` has written past it
 (``TrailingHasher``: torch never waits for a hash, and the last blocks hash while the file is
 flushed to disk). Loading reads the file into memory once, hashing each block while the next
-is read (``read_and_digest``), and only then unpickles those same bytes.
+is read (``read_and_digest``), and only then unpickles those same bytes (``buffer.py``).
 
 Reproduce it without this package::
 
@@ -115,22 +115,29 @@ class TrailingHasher:
         self._hashes.append(self._pool.submit(_hash_mapped, self.file.fileno(), offset, size))
 
 
-def read_and_digest(file: BinaryIO, length: int) -> tuple[list[bytes], bytes]:
-    """Read ``length`` bytes of ``file`` into memory as 4 MiB blocks, hashing each block on a
-    worker thread while the next one is read; returns the blocks (fewer bytes if the file was
-    shorter) and the digest. Blocks, not one buffer: one large buffer is fresh memory on
-    every load, faulted in page by page, which costs as much as the read itself."""
-    blocks: list[bytes] = []
+def read_and_digest(file: BinaryIO, into: memoryview) -> bytes:
+    """Fill ``into`` from ``file``, hashing each block on a worker thread while the next one
+    is read; the digest of those bytes, or ``b""`` if the file ended first."""
+    into = into.cast("B")
     with ThreadPoolExecutor(_threads(), thread_name_prefix="k3-digest") as pool:
         digests = []
-        for start in range(0, length, BLOCK):
-            block = file.read(min(BLOCK, length - start))
-            blocks.append(block)
-            if len(block) < min(BLOCK, length - start):
-                return blocks, b""
+        for start in range(0, len(into), BLOCK):
+            block = into[start : start + BLOCK]
+            if _read_fully(file, block) < len(block):
+                return b""
             digests.append(pool.submit(_sha256, block))
-        digest = hashlib.sha256(b"".join(future.result() for future in digests)).digest()
-    return blocks, digest
+        return hashlib.sha256(b"".join(future.result() for future in digests)).digest()
+
+
+def _read_fully(file: BinaryIO, into: memoryview) -> int:
+    """Fill ``into`` from ``file`` (one read may return less than asked); the bytes read."""
+    done = 0
+    while done < len(into):
+        count = file.readinto(into[done:])  # type: ignore[attr-defined]
+        if not count:
+            break
+        done += count
+    return done
 
 
 def _hash_mapped(descriptor: int, offset: int, size: int) -> bytes:

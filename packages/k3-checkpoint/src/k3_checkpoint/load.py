@@ -65,7 +65,7 @@ def load_checkpoint(
     as for ``save_checkpoint``, models in the runtime signature but not restored here.
     """
     policy = CompatibilityPolicy() if policy is None else policy
-    payload, digest = read_verified(path)
+    payload, digest, buffer = read_verified(path)
     try:
         tree = Tree(components)
         current = to_plain(metadata or {}, "metadata")
@@ -98,6 +98,8 @@ def load_checkpoint(
             f"restored; rebuild them before trying again ({type(error).__name__}: {error})",
             path=path,
         ) from error
+    del payload, saved, rng  # what the components did not keep is now unreachable
+    buffer.release_unused()
     return LoadedCheckpoint(Path(path), digest, saved_metadata, accepted)
 
 

@@ -14,8 +14,9 @@ Why a header and not a digest field inside the pickle: a digest cannot cover the
 it, and checking it *before* unpickling means a corrupt file never reaches the zip and pickle
 parsers. Together the header CRC, the exact length and the digest make every single bit of the
 file matter: a flip or a cut anywhere is a ``CheckpointError``, never a half-read payload.
-The payload itself is read only with ``torch.load(weights_only=True)``, so a hostile pickle
-cannot run code (the digest is not a signature: anyone can recompute it).
+The payload itself is unpickled only by torch's weights-only unpickler (the one behind
+``torch.load(weights_only=True)``), so a hostile pickle cannot run code (the digest is not a
+signature: anyone can recompute it).
 
 Writes are atomic: ``path.tmp`` is written with a blank header, the payload is hashed from the
 file while ``torch.save`` writes it (the last blocks while its data is flushed to disk), the
@@ -28,16 +29,16 @@ refuses by name.
 from __future__ import annotations
 
 import errno
-import io
 import os
 import struct
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
+from .buffer import PayloadBuffer
 from .digest import TrailingHasher, read_and_digest
 from .errors import CheckpointError
 
@@ -109,28 +110,40 @@ def _os_error_behind(error: BaseException) -> OSError | None:
 def read_payload(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified payload of a format-7 checkpoint, touching no live object.
 
-    Checks the header, the length and the digest before unpickling, loads with
-    ``torch.load(weights_only=True, map_location="cpu")``, and checks the format version.
-    Formats 3-6 are refused by name; every other problem raises ``CheckpointError`` naming the
-    file and the reason.
+    Checks the header, the length and the digest before unpickling, loads with torch's
+    weights-only unpickler onto the CPU, and checks the format version. Formats 3-6 are
+    refused by name; every other problem raises ``CheckpointError`` naming the file and the
+    reason. The tensors share the memory the file was read into, as with
+    ``torch.load(mmap=True)``: clone one you keep on its own.
     """
-    return read_verified(path)[0]
+    return read_verified(path).payload
 
 
-def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
-    """``read_payload`` plus the payload's hex digest (the checkpoint's identity).
+class Verified(NamedTuple):
+    """A payload whose digest matched, with the memory its tensors view."""
+
+    payload: dict[str, Any]
+    digest: str
+    """The payload's hex digest: the checkpoint's identity."""
+    buffer: PayloadBuffer
+
+
+def read_verified(path: str | os.PathLike[str]) -> Verified:
+    """``read_payload``, with the digest and the buffer (see ``PayloadBuffer.release_unused``).
 
     The file is read once into memory, each block hashed while the next is read; the digest
     is checked over those bytes and the same bytes are unpickled, so no byte that was not
-    verified reaches the unpickler, even if the file changes meanwhile.
+    verified reaches the unpickler, even if the file changes meanwhile. The payload's tensors
+    view those bytes rather than being copied out of them (``buffer.py``).
     """
     path = Path(path)
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             length, expected = _read_header(file, size, path)
-            blocks, actual = read_and_digest(file, length)
-        if sum(map(len, blocks)) != length:
+            buffer = PayloadBuffer(length)
+            actual = read_and_digest(file, buffer.view)
+        if not actual:
             raise CheckpointError("is shorter than when it was opened (changed while read)")
         if actual != expected:
             raise CheckpointError(
@@ -138,7 +151,7 @@ def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
                 f"records {expected.hex()[:16]}…; the file is corrupt",
                 path=path,
             )
-        payload = _torch_load(MemoryFile(blocks), path)
+        payload = _unpickle(buffer, path)
     except OSError as error:
         raise CheckpointError(f"cannot be read: {error.strerror or error}", path=path) from error
     except CheckpointError as error:
@@ -153,50 +166,13 @@ def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
             f"payload format_version {version!r} disagrees with the header's {FORMAT_VERSION}",
             path=path,
         )
-    return payload, actual.hex()
+    return Verified(payload, actual.hex(), buffer)
 
 
 def _sync_data(descriptor: int) -> None:
     """Start the payload's way to the disk early (the closing fsync makes it durable)."""
     if hasattr(os, "fdatasync"):
         os.fdatasync(descriptor)
-
-
-class MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over equal-sized blocks of bytes already in memory (the
-    last one may be shorter); ``torch.load`` copies each tensor straight out of them."""
-
-    def __init__(self, blocks: list[bytes]) -> None:
-        super().__init__()
-        self._blocks = [memoryview(block) for block in blocks]
-        self._block = len(blocks[0]) if blocks else 1
-        self._size = sum(len(block) for block in blocks)
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}
-        self._position = max(0, base[whence] + offset)
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(target) and self._position < self._size:
-            index, offset = divmod(self._position, self._block)
-            chunk = self._blocks[index][offset : offset + len(target) - done]
-            target[done : done + len(chunk)] = chunk
-            done += len(chunk)
-            self._position += len(chunk)
-        return done
 
 
 def format_problem(version: object) -> str | None:
@@ -250,9 +226,18 @@ def _read_header(file: BinaryIO, size: int, path: Path) -> tuple[int, bytes]:
     return length, digest
 
 
-def _torch_load(source: io.RawIOBase | Path, path: Path, **options: Any) -> Any:
+def _unpickle(buffer: PayloadBuffer, path: Path) -> Any:
     try:
-        return torch.load(source, weights_only=True, map_location="cpu", **options)  # type: ignore[arg-type]
+        return buffer.unpickle()
+    except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        raise CheckpointError(
+            f"refused by torch's weights_only=True unpickler: {_reason(error)}", path=path
+        ) from error
+
+
+def _torch_load(source: Path, path: Path, **options: Any) -> Any:
+    try:
+        return torch.load(source, weights_only=True, map_location="cpu", **options)
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         raise CheckpointError(
             f"refused by torch.load(weights_only=True): {_reason(error)}", path=path

@@ -47,7 +47,7 @@ class CheckpointSummary:
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointSummary:
     """Read and verify ``path`` and summarize it; raises ``CheckpointError`` like the loader."""
-    payload, digest = read_verified(path)
+    payload, digest, _ = read_verified(path)
     path = Path(path)
     return CheckpointSummary(
         path=path,

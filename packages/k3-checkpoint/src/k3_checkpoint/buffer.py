@@ -1,0 +1,141 @@
+"""The memory a checkpoint is read into, and the payload's tensors viewing it.
+
+A load reads the payload once into one page-aligned anonymous mapping, hashes it while it is
+read (``digest.py``), and only then unpickles it (``payload.py``). ``torch.load`` from that
+memory would copy every tensor out of it: the load would need twice the payload's memory, and
+in a fresh process (a resume) each page of the copy is one more page fault. Instead, torch's
+own zip reader and weights-only unpickler run with a storage source whose slices view the
+buffer: the mechanism behind ``torch.load(mmap=True)``, fed from verified memory rather than a
+file mapping that could change after it was hashed.
+
+Views keep the mapping alive, so after a restore ``release_unused()`` returns to the OS the
+pages of every tensor that nothing kept (the model's weights, copied into the model), and
+leaves those something still holds (a CPU optimizer adopts its saved state as it is). Whether
+a tensor was kept is read from its storage's reference count, so a page is released only when
+no tensor can reach it.
+
+This needs torch.serialization internals (``_load`` with ``overall_storage``, torch 2.1 and
+later) and Linux's ``MADV_DONTNEED``. Where either is missing, ``zero_copy_supported()`` is
+False and ``torch.load`` copies the tensors out of the same verified buffer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import mmap
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["MemoryFile", "PayloadBuffer", "zero_copy_supported"]
+
+
+class PayloadBuffer:
+    """``length`` bytes of page-aligned memory (``view``) that a payload is read into, then
+    unpickled from (``unpickle``) with its tensors viewing it where supported."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self._map = _anonymous_map(max(length, 1))
+        self.view = memoryview(self._map)[:length]
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._lent: list[tuple[int, int, torch.UntypedStorage]] = []
+
+    def unpickle(self) -> Any:
+        """The object ``torch.save`` wrote into the buffer, loaded with torch's weights-only
+        unpickler onto the CPU. Raises what ``torch.load`` raises."""
+        source = MemoryFile(self.view)
+        if not zero_copy_supported():
+            return torch.load(source, weights_only=True, map_location="cpu")  # type: ignore[arg-type]
+        serialization = torch.serialization
+        with serialization._open_zipfile_reader(source) as archive:  # type: ignore[arg-type]
+            return serialization._load(  # type: ignore[no-untyped-call]
+                archive,
+                "cpu",
+                serialization._weights_only_unpickler,  # type: ignore[attr-defined]
+                overall_storage=self,
+                encoding="utf-8",  # as torch.load passes it
+            )
+
+    def __getitem__(self, span: slice) -> torch.UntypedStorage:
+        """A tensor's bytes, as ``_load`` slices them: a storage viewing the buffer."""
+        start, stop = span.start, span.stop
+        if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= self.length):
+            raise ValueError(
+                f"tensor bytes {start}:{stop} lie outside the {self.length}-byte payload"
+            )
+        storage: torch.UntypedStorage = self._bytes.untyped_storage()[start:stop]
+        self._lent.append((start, stop, storage))
+        return storage
+
+    def release_unused(self) -> int:
+        """Return to the OS the whole pages of every tensor no one holds any more; the bytes
+        released. Call it once the payload is no longer needed (the buffer forgets which
+        tensors it lent, so a second call releases nothing)."""
+        released = 0
+        for start, stop, storage in self._lent:
+            if torch._C._storage_Use_Count(storage._cdata) > 1:  # a tensor still views it
+                continue
+            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside the
+            last = stop // mmap.PAGESIZE * mmap.PAGESIZE  # tensor: no one else's bytes
+            if last > first:
+                self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+                released += last - first
+        self._lent.clear()
+        return released
+
+
+def _anonymous_map(size: int) -> mmap.mmap:
+    """Private anonymous memory (pages cost nothing until touched). Private, not Python's
+    default shared mapping: MADV_DONTNEED frees private pages but only unmaps shared ones."""
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, size)  # Windows: no flags (and no release: see zero_copy_supported)
+
+
+def zero_copy_supported() -> bool:
+    """Whether this torch and OS have what ``PayloadBuffer`` views and releases memory with."""
+    serialization = torch.serialization
+    needed = ("_load", "_open_zipfile_reader", "_weights_only_unpickler")
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return False  # elsewhere MADV_DONTNEED may keep the pages: released would be kept
+    if not all(hasattr(serialization, name) for name in needed):
+        return False
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return False
+    try:
+        return "overall_storage" in inspect.signature(serialization._load).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over bytes in memory, for torch's zip reader."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._data)}
+        self._position = max(0, base[whence] + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        chunk = self._data[self._position : self._position + len(target)]
+        target[: len(chunk)] = chunk
+        self._position += len(chunk)
+        return len(chunk)

@@ -1,0 +1,141 @@
+"""The load buffer: the payload's tensors view the verified bytes instead of copies, and after a
+restore the pages nothing kept go back to the OS while every kept tensor stays intact."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+from torch import nn
+
+from k3_checkpoint import buffer as buffer_module
+from k3_checkpoint import load_checkpoint, save_checkpoint
+from k3_checkpoint.buffer import PayloadBuffer
+from k3_checkpoint.payload import read_verified
+
+needs_zero_copy = pytest.mark.skipif(
+    not buffer_module.zero_copy_supported(), reason="zero-copy loading needs Linux and torch 2.1+"
+)
+
+
+class Keeper:
+    """A component that keeps the very tensor it is given, as a component may."""
+
+    def __init__(self, seed: int) -> None:
+        self.table = torch.randn(128, 128, generator=torch.Generator().manual_seed(seed))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"table": self.table}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.table = state["table"]
+
+
+def _state(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Keeper]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 128)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, Keeper(seed)
+
+
+def _components(state: tuple[nn.Module, torch.optim.Optimizer, Keeper]) -> dict[str, object]:
+    model, optimizer, keeper = state
+    return {"model": model, "optimizer": optimizer, "keeper": keeper}
+
+
+def _inside(tensor: torch.Tensor, buffer: PayloadBuffer) -> bool:
+    base = buffer._bytes.data_ptr()
+    return base <= tensor.data_ptr() < base + buffer.length
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    torch.manual_seed(99)
+    model(torch.randn(4, 128)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@needs_zero_copy
+def test_payload_tensors_view_the_verified_bytes(tmp_path):
+    path = tmp_path / "ckpt.k3"
+    save_checkpoint(path, _components(_state(0)))
+    payload, _, buffer = read_verified(path)
+    weight = payload["model"]["0.weight"]
+    assert _inside(weight, buffer)
+    assert torch.equal(weight, _state(0)[0][0].weight.detach())
+
+
+@needs_zero_copy
+def test_release_frees_what_was_copied_and_keeps_what_was_kept(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.k3"
+    saved = _state(0)
+    save_checkpoint(path, _components(saved))
+    expected_opt = {
+        name: value.clone() for name, value in saved[1].state[saved[0][0].weight].items()
+    }
+    buffers, released = [], []
+    real_release = PayloadBuffer.release_unused
+
+    def spy(self: PayloadBuffer) -> int:
+        buffers.append(self)
+        released.append(real_release(self))
+        return released[-1]
+
+    monkeypatch.setattr(PayloadBuffer, "release_unused", spy)
+    live = _state(1)  # other weights, other moments, another table
+    load_checkpoint(path, _components(live))
+    (buffer,) = buffers
+    model, optimizer, keeper = live
+
+    # Kept as they are: the optimizer adopts its saved state, the keeper its table.
+    moments = optimizer.state[model[0].weight]
+    assert _inside(moments["exp_avg"], buffer) and _inside(keeper.table, buffer)
+    for name, value in expected_opt.items():
+        assert torch.equal(moments[name], value), name
+    assert torch.equal(keeper.table, saved[2].table)
+    for mine, theirs in zip(model.parameters(), saved[0].parameters()):
+        assert torch.equal(mine, theirs) and not _inside(mine, buffer)
+
+    # Released: the model's weights (copied into the model) and nothing that was kept.
+    weights = sum(p.numel() * p.element_size() for p in saved[0].parameters())
+    kept = keeper.table.nbytes + sum(
+        value.nbytes for state in optimizer.state.values() for value in state.values()
+    )
+    slack = 2 * mmap.PAGESIZE * len(list(saved[0].parameters()))  # partial first/last pages
+    assert weights - slack <= released[0] <= buffer.length - kept
+    whole = buffer.length // mmap.PAGESIZE * mmap.PAGESIZE
+    pages = torch.frombuffer(buffer.view, dtype=torch.uint8)[:whole].view(-1, mmap.PAGESIZE)
+    zero_pages = (pages == 0).all(dim=1).sum().item()
+    assert zero_pages * mmap.PAGESIZE >= released[0]  # handed back: they read as fresh zeros
+    assert buffer.release_unused() == 0  # it forgot what it lent
+
+    # The adopted state trains on exactly as the saved one does.
+    _train_step(*saved[:2])
+    _train_step(model, optimizer)
+    for mine, theirs in zip(model.parameters(), saved[0].parameters()):
+        assert torch.equal(mine, theirs)
+
+
+def test_without_zero_copy_the_payload_is_copied_out_and_equal(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.k3"
+    saved = _state(0)
+    save_checkpoint(path, _components(saved))
+    monkeypatch.setattr(buffer_module, "zero_copy_supported", lambda: False)
+    payload, _, buffer = read_verified(path)
+    weight = payload["model"]["0.weight"]
+    assert torch.equal(weight, saved[0][0].weight.detach()) and not _inside(weight, buffer)
+    assert buffer.release_unused() == 0
+    live = _state(1)
+    load_checkpoint(path, _components(live))
+    assert torch.equal(live[2].table, saved[2].table)
+    assert torch.equal(live[0][2].bias, saved[0][2].bias)
+
+
+@pytest.mark.parametrize("span", [slice(0, 101), slice(-1, 5), slice(60, 50), slice(0.0, 5)])
+def test_tensor_bytes_outside_the_payload_are_refused(span):
+    with pytest.raises(ValueError, match="outside the 100-byte payload"):
+        PayloadBuffer(100)[span]
