@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import stat
@@ -15,7 +16,13 @@ import pytest
 import torch
 from ckpt_helpers import fingerprint, make_run
 
-from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
+from k3_checkpoint import (
+    CheckpointError,
+    fsync_directory,
+    load_checkpoint,
+    read_payload,
+    save_checkpoint,
+)
 from k3_checkpoint import buffer as buffer_module
 from k3_checkpoint.digest import digest_of_bytes
 from k3_checkpoint.payload import HEADER_SIZE, pack_header
@@ -220,6 +227,27 @@ def test_save_fsyncs_the_file_then_the_directory_after_the_rename(tmp_path, monk
     save_checkpoint(tmp_path / "sub" / "ckpt.k3", **run.save_kwargs())
     assert events == ["fsync-file", "replace", "fsync-dir"]
     assert os.listdir(tmp_path / "sub") == ["ckpt.k3"]
+
+
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.ENOTSUP])
+def test_fsync_directory_syncs_and_tolerates_filesystems_that_refuse(
+    tmp_path, monkeypatch, refusal
+):
+    synced: list[bool] = []
+
+    def fsync(descriptor: int) -> None:
+        synced.append(stat.S_ISDIR(os.fstat(descriptor).st_mode))
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fsync_directory(tmp_path)  # the filesystem refused: not an error
+    assert synced == [True]
+
+    monkeypatch.setattr(
+        os, "fsync", lambda descriptor: (_ for _ in ()).throw(OSError(errno.EIO, "I/O"))
+    )
+    with pytest.raises(OSError, match="I/O"):  # a real failure still is
+        fsync_directory(tmp_path)
 
 
 _CRASH_BEFORE_RENAME = """

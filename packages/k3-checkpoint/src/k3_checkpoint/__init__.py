@@ -12,7 +12,7 @@ from .components import Components, Stateful
 from .errors import CheckpointError
 from .layout import optimizer_identity, optimizer_layout
 from .load import LoadedCheckpoint, load_checkpoint
-from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, read_payload
+from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, fsync_directory, read_payload
 from .plain import MISSING
 from .policy import Changes, CompatibilityPolicy
 from .rng import capture_rng, restore_rng, validate_rng_state
@@ -38,6 +38,7 @@ __all__ = [
     "Stateful",
     "__version__",
     "capture_rng",
+    "fsync_directory",
     "inspect_checkpoint",
     "load_checkpoint",
     "optimizer_identity",

@@ -42,7 +42,9 @@ from .buffer import PayloadBuffer
 from .digest import TrailingHasher, read_and_digest
 from .errors import CheckpointError
 
-__all__ = ["FORMAT_VERSION", "HISTORICAL_FORMATS", "read_payload", "write_payload"]
+__all__ = [
+    "FORMAT_VERSION", "HISTORICAL_FORMATS", "fsync_directory", "read_payload", "write_payload",
+]  # fmt: skip
 
 FORMAT_VERSION = 7
 """The only format this package writes and reads."""
@@ -89,7 +91,7 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
         # torch's zip writer turns a failed write (disk full, quota, file size limit) into
         # a RuntimeError about stream positions; the caller needs the OSError behind it.
         raise OSError(cause.errno, cause.strerror or str(cause), str(temporary)) from error
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
     return digest.hex()
 
 
@@ -272,8 +274,10 @@ def _identify_foreign(path: Path, head: bytes) -> str:
     return format_problem(version) or "is not a k3 checkpoint"
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable. Windows cannot open a directory; some filesystems refuse."""
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Make a rename or a new entry in ``directory`` durable (as ``save_checkpoint`` does
+    after its rename). A no-op on Windows, which cannot open a directory, and on filesystems
+    that refuse to sync one."""
     if os.name == "nt":
         return
     descriptor = os.open(directory, os.O_RDONLY)

@@ -104,7 +104,7 @@ def write_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
             digest = k3_checkpoint.save_checkpoint(
                 staging / META, {"shards": ShardIndex(staging, index), **components},
                 metadata, modules=[model])
-            _fsync_directory(staging)
+            k3_checkpoint.fsync_directory(staging)
             _publish(staging, path, step)
         except OSError as error:
             failure = error
@@ -158,9 +158,9 @@ def _publish(staging: Path, path: Path, step: int) -> None:
     link = path.with_name(f".{path.name}.link")
     link.unlink(missing_ok=True)
     os.symlink(final.name, link)
-    _fsync_directory(path.parent)
+    k3_checkpoint.fsync_directory(path.parent)
     os.replace(link, path)
-    _fsync_directory(path.parent)
+    k3_checkpoint.fsync_directory(path.parent)
     if previous is not None and previous.exists():
         shutil.rmtree(previous)
 
@@ -431,14 +431,6 @@ def _leaves(components: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 def _snapshot(component: Any) -> Any:
     return copy.deepcopy(component.state_dict())
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _listed(items: list[str]) -> str:
