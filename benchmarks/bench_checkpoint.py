@@ -228,17 +228,28 @@ def resume_once(kind: str, name: str, directory: Path) -> tuple[float, float]:
 
 
 def _resident_mib() -> float:
+    """Resident memory now, after resetting the kernel's high-water mark to it (Linux's
+    ``/proc/self/clear_refs``), so ``_peak_mib`` sees only what comes after; NaN elsewhere."""
     try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except OSError:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_mib("VmRSS")
+    except (OSError, ValueError):
         return float("nan")
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _peak_mib() -> float:
-    import resource  # Unix only; ru_maxrss is KiB on Linux
+    """The resident high-water mark since ``_resident_mib`` (NaN off Linux)."""
+    try:
+        return _status_mib("VmHWM")
+    except (OSError, ValueError):
+        return float("nan")
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise ValueError(f"no {field} in /proc/self/status")
 
 
 def bench_fresh_resume(
