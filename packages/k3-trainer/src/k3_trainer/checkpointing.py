@@ -19,6 +19,7 @@ from torch import nn
 import k3_checkpoint
 from k3_qkclip import QKClip, QKClipPolicy
 
+from .agreement import load_on_every_rank
 from .config import TrainConfig, TrainState
 from .data import TokenDataLoader
 from .distributed import Parallel
@@ -351,23 +352,15 @@ def _load_everywhere(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     train_loader, val_loader = components["loaders"]["train"], components["loaders"]["val"]
     snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()),
                 train_loader.state_dict(), val_loader.state_dict(), k3_checkpoint.capture_rng())
-    error: Exception | None = None
-    loaded: k3_checkpoint.LoadedCheckpoint | None = None
-    try:
-        loaded = k3_checkpoint.load_checkpoint(path, components, metadata, policy)
-    except k3_checkpoint.CheckpointError as exc:
-        error = exc
-    if not parallel.any(error is not None):
-        assert loaded is not None
-        return loaded
-    if error is None:  # this rank accepted, another refused: undo, then refuse alike
+
+    def undo() -> None:
         model.load_state_dict(snapshot[0])
         optimizer.load_state_dict(snapshot[1])
         train_loader.load_state_dict(snapshot[2])
         val_loader.load_state_dict(snapshot[3])
         k3_checkpoint.restore_rng(snapshot[4])
         optimizer.zero_grad(set_to_none=True)
-        raise k3_checkpoint.CheckpointError(
-            "another rank refused this checkpoint (see its error line); nothing was changed",
-            path=path)
-    raise error
+
+    return load_on_every_rank(
+        path, parallel,
+        lambda: k3_checkpoint.load_checkpoint(path, components, metadata, policy), undo)

@@ -41,6 +41,7 @@ from torch import nn
 
 import k3_checkpoint
 
+from .agreement import load_on_every_rank
 from .distributed import Parallel
 
 META = "k3.ckpt"
@@ -193,23 +194,17 @@ def read_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     index = ShardIndex(path, live=_live_tensors(model, optimizer), parallel=parallel)
     previous = {name: _snapshot(component) for name, component in _leaves(components)}
     rng = k3_checkpoint.capture_rng()
-    error: Exception | None = None
-    loaded = None
-    try:
-        loaded = k3_checkpoint.load_checkpoint(
-            path / META, {"shards": index, **components}, metadata, policy, modules=[model])
-    except k3_checkpoint.CheckpointError as exc:
-        error = exc
-    if _any(parallel, error is not None):
-        if error is None:  # this rank accepted, another refused: put the cheap state back
-            for name, component in _leaves(components):
-                component.load_state_dict(previous[name])
-            k3_checkpoint.restore_rng(rng)
-            raise k3_checkpoint.CheckpointError(
-                "another rank refused this checkpoint (see its error line); nothing was "
-                "changed", path=path)
-        raise error
-    assert loaded is not None
+
+    def undo() -> None:  # the cheap state: no tensor was read yet
+        for name, component in _leaves(components):
+            component.load_state_dict(previous[name])
+        k3_checkpoint.restore_rng(rng)
+
+    loaded = load_on_every_rank(
+        path, parallel,
+        lambda: k3_checkpoint.load_checkpoint(
+            path / META, {"shards": index, **components}, metadata, policy, modules=[model]),
+        undo)
     resumed_rng = k3_checkpoint.capture_rng()
     from torch.distributed.checkpoint.api import CheckpointException
 
