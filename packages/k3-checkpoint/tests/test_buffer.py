@@ -3,7 +3,9 @@ restore the pages nothing kept go back to the OS while every kept tensor stays i
 
 from __future__ import annotations
 
+import itertools
 import mmap
+import random
 
 import pytest
 import torch
@@ -139,3 +141,39 @@ def test_without_zero_copy_the_payload_is_copied_out_and_equal(tmp_path, monkeyp
 def test_tensor_bytes_outside_the_payload_are_refused(span):
     with pytest.raises(ValueError, match="outside the 100-byte payload"):
         PayloadBuffer(100)[span]
+
+
+def test_subtract_matches_a_byte_by_byte_reference():
+    generator = random.Random(7)
+    for _ in range(300):
+        spans = [
+            [tuple(sorted(generator.sample(range(40), 2))) for _ in range(generator.randint(0, 5))]
+            for _ in range(2)
+        ]
+        ranges, holes = spans
+        expected = {
+            byte
+            for byte in range(40)
+            if any(a <= byte < b for a, b in ranges) and not any(a <= byte < b for a, b in holes)
+        }
+        result = buffer_module._subtract(ranges, holes)
+        assert {byte for a, b in result for byte in range(a, b)} == expected
+        assert all(b > a for a, b in result) and all(  # sorted, merged
+            left[1] < right[0] for left, right in itertools.pairwise(result)
+        )
+
+
+@needs_zero_copy
+def test_release_never_touches_a_kept_tensors_pages_even_when_spans_overlap():
+    """A crafted (but well-digested) file could point two tensors at overlapping bytes: the
+    pages of the one that is kept must survive the release of the other."""
+    page = mmap.PAGESIZE
+    buffer = PayloadBuffer(6 * page)
+    buffer.view[:] = b"\xab" * (6 * page)
+    unused = buffer[0 : 6 * page]  # a tensor nothing keeps, covering everything
+    kept = torch.empty(0, dtype=torch.uint8).set_(buffer[2 * page + 100 : 3 * page + 100])
+    del unused
+    assert buffer.release_unused() == 4 * page  # pages 0, 1, 4, 5
+    assert bool((kept == 0xAB).all())
+    whole = torch.frombuffer(buffer.view, dtype=torch.uint8).view(6, page)
+    assert (whole == 0).all(dim=1).tolist() == [True, True, False, False, True, True]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import itertools
 import mmap
 import sys
 from typing import Any
@@ -30,6 +31,9 @@ from typing import Any
 import torch
 
 __all__ = ["MemoryFile", "PayloadBuffer", "zero_copy_supported"]
+
+Span = tuple[int, int]
+"""Half-open byte offsets ``[start, stop)`` into the buffer."""
 
 
 class PayloadBuffer:
@@ -73,18 +77,43 @@ class PayloadBuffer:
     def release_unused(self) -> int:
         """Return to the OS the whole pages of every tensor no one holds any more; the bytes
         released. Call it once the payload is no longer needed (the buffer forgets which
-        tensors it lent, so a second call releases nothing)."""
-        released = 0
+        tensors it lent, so a second call releases nothing). A page that also holds bytes of
+        a kept tensor is never released, even where a crafted file's records overlap."""
+        page = mmap.PAGESIZE
+        kept: list[Span] = []  # pages touched by a tensor someone still holds
+        unused: list[Span] = []  # pages wholly inside a tensor no one holds
         for start, stop, storage in self._lent:
             if torch._C._storage_Use_Count(storage._cdata) > 1:  # a tensor still views it
-                continue
-            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside the
-            last = stop // mmap.PAGESIZE * mmap.PAGESIZE  # tensor: no one else's bytes
-            if last > first:
-                self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
-                released += last - first
+                kept.append((start // page * page, -(-stop // page) * page))
+            else:
+                unused.append((-(-start // page) * page, stop // page * page))
         self._lent.clear()
+        released = 0
+        for first, last in _subtract(unused, kept):
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            released += last - first
         return released
+
+
+def _subtract(ranges: list[Span], holes: list[Span]) -> list[Span]:
+    """The bytes inside some range of ``ranges`` and inside none of ``holes`` (all half-open),
+    as sorted, merged ranges."""
+    depth: dict[int, list[int]] = {}  # point -> change in (ranges, holes) open there
+    for kind, spans in ((0, ranges), (1, holes)):
+        for start, stop in spans:
+            if stop > start:
+                depth.setdefault(start, [0, 0])[kind] += 1
+                depth.setdefault(stop, [0, 0])[kind] -= 1
+    points = sorted(depth)
+    inside, result = [0, 0], list[Span]()
+    for point, following in itertools.pairwise(points):
+        inside = [inside[0] + depth[point][0], inside[1] + depth[point][1]]
+        if inside[0] > 0 and inside[1] == 0:
+            if result and result[-1][1] == point:
+                result[-1] = (result[-1][0], following)
+            else:
+                result.append((point, following))
+    return result
 
 
 def _anonymous_map(size: int) -> mmap.mmap:
