@@ -88,6 +88,15 @@ class State:
     def plain_state(self) -> dict[str, object]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
+    def plain_resume(self, path: Path) -> None:
+        """What most training loops do: torch.load, then load_state_dict of both."""
+        loaded = torch.load(path, weights_only=True)
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def k3_resume(self, path: Path) -> None:
+        load_checkpoint(path, **self.k3_kwargs())  # type: ignore[arg-type]
+
     def k3_kwargs(self) -> dict[str, object]:
         return {
             "components": {
@@ -172,12 +181,10 @@ def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, 
         torch.load(plain_path, weights_only=True)
 
     def plain_resume() -> None:
-        loaded = torch.load(plain_path, weights_only=True)
-        state.model.load_state_dict(loaded["model"])
-        state.optimizer.load_state_dict(loaded["optimizer"])
+        state.plain_resume(plain_path)
 
     def k3_load() -> None:
-        load_checkpoint(k3_path, **kwargs)  # type: ignore[arg-type]
+        state.k3_resume(k3_path)
 
     def k3_read() -> None:
         read_payload(k3_path)
@@ -213,16 +220,12 @@ def resume_once(kind: str, name: str, directory: Path) -> tuple[float, float]:
     model and optimizer, ``k3`` is load_checkpoint. Returns the seconds it took and the peak
     resident memory it added (MiB above the resident size before it; NaN off Linux)."""
     state = build(name, *SIZES[name], trained=False)
-    kwargs = state.k3_kwargs()
+    resume = state.plain_resume if kind == "plain" else state.k3_resume
+    path = directory / f"{name}.{'pt' if kind == 'plain' else 'k3'}"
     gc.collect()
     before = _resident_mib()
     start = time.perf_counter()
-    if kind == "plain":
-        loaded = torch.load(directory / f"{name}.pt", weights_only=True)
-        state.model.load_state_dict(loaded["model"])
-        state.optimizer.load_state_dict(loaded["optimizer"])
-    else:
-        load_checkpoint(directory / f"{name}.k3", **kwargs)  # type: ignore[arg-type]
+    resume(path)
     seconds = time.perf_counter() - start
     return seconds, _peak_mib() - before
 

@@ -13,6 +13,7 @@ from ckpt_helpers import make_run
 from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
 from k3_checkpoint import digest as digest_module
 from k3_checkpoint import payload as payload_module
+from k3_checkpoint.buffer import PayloadBuffer
 from k3_checkpoint.digest import (
     TrailingHasher,
     digest_of_bytes,
@@ -134,7 +135,7 @@ def test_corrupt_payloads_never_reach_torch_load(tmp_path, monkeypatch):
     path.write_bytes(raw)
     calls = []
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(args))
-    monkeypatch.setattr(payload_module, "_unpickle", lambda *args: calls.append(args))
+    monkeypatch.setattr(PayloadBuffer, "unpickle", lambda *args: calls.append(args))
     with pytest.raises(CheckpointError, match="digest mismatch"):
         read_payload(path)
     assert calls == []

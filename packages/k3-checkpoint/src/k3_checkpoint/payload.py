@@ -32,7 +32,7 @@ import errno
 import os
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -153,7 +153,7 @@ def read_verified(path: str | os.PathLike[str]) -> Verified:
                 f"records {expected.hex()[:16]}…; the file is corrupt",
                 path=path,
             )
-        payload = _unpickle(buffer, path)
+        payload = _weights_only(buffer.unpickle, path, "torch's weights_only=True unpickler")
     except OSError as error:
         raise CheckpointError(f"cannot be read: {error.strerror or error}", path=path) from error
     except CheckpointError as error:
@@ -228,22 +228,21 @@ def _read_header(file: BinaryIO, size: int, path: Path) -> tuple[int, bytes]:
     return length, digest
 
 
-def _unpickle(buffer: PayloadBuffer, path: Path) -> Any:
+def _weights_only(load: Callable[[], Any], path: Path, unpickler: str) -> Any:
+    """``load()`` (torch's weights-only unpickling); whatever it raises becomes one
+    ``CheckpointError`` naming the file, the ``unpickler`` and torch's reason."""
     try:
-        return buffer.unpickle()
+        return load()
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-        raise CheckpointError(
-            f"refused by torch's weights_only=True unpickler: {_reason(error)}", path=path
-        ) from error
+        raise CheckpointError(f"refused by {unpickler}: {_reason(error)}", path=path) from error
 
 
-def _torch_load(source: Path, path: Path, **options: Any) -> Any:
-    try:
-        return torch.load(source, weights_only=True, map_location="cpu", **options)
-    except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-        raise CheckpointError(
-            f"refused by torch.load(weights_only=True): {_reason(error)}", path=path
-        ) from error
+def _torch_load(path: Path, **options: Any) -> Any:
+    return _weights_only(
+        lambda: torch.load(path, weights_only=True, map_location="cpu", **options),
+        path,
+        "torch.load(weights_only=True)",
+    )
 
 
 def _reason(error: Exception) -> str:
@@ -260,9 +259,9 @@ def _identify_foreign(path: Path, head: bytes) -> str:
     if not head.startswith(b"PK\x03\x04"):  # not even a torch zip; never unpickle it
         return f"is not a k3 checkpoint (no k3-checkpoint header; starts with {head[:8]!r})"
     try:  # mmap: only the small pickle is read, not every tensor
-        legacy = _torch_load(path, path, mmap=True)
+        legacy = _torch_load(path, mmap=True)
     except CheckpointError:
-        legacy = _torch_load(path, path)
+        legacy = _torch_load(path)
     version = legacy.get("format_version") if isinstance(legacy, Mapping) else None
     if version is None:
         return "is a torch file but not a k3 checkpoint (it has no format_version)"
