@@ -6,11 +6,13 @@ Everything here is test code; nothing in it is imported by the packages.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import math
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -83,6 +85,30 @@ def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env.setdefault("K3_TRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / "k3-cache"))
     env.update(extra or {})
     return env
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it. The tree is read from ``/proc`` before
+    anything is killed: an orphan is adopted by init, and its parent link to the tree is
+    lost."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # comm (field 2) may hold spaces and parentheses; the fields after its last ")"
+            # are state, ppid, ...
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, index = [pid], 0
+    while index < len(tree):
+        tree += children.get(tree[index], [])
+        index += 1
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(member, signal.SIGKILL)
 
 
 def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:

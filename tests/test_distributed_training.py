@@ -9,15 +9,14 @@ are in test_distributed_checkpoints.py. Deselect with ``-m 'not distributed'``.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from harness import k3_train, subprocess_env
+from harness import k3_train, kill_tree, subprocess_env
 
 from k3_trainer import TokenDataLoader
 
@@ -34,16 +33,17 @@ needs_torchrun = pytest.mark.skipif(
 
 def _run(command: list[object], timeout: float = 120,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in its own session; on timeout the whole group goes (a rank stuck
-    in a collective must not outlive the test)."""
+    """Run ``command``; on timeout every process it started goes too. torchrun starts each
+    rank in a session of its own, so killing torchrun's group would leave a stuck rank
+    alive, holding the output pipes open and the test waiting forever."""
     with subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=subprocess_env(env),
                           start_new_session=True) as process:
         try:
             out, err = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+            kill_tree(process.pid)
+            process.communicate(timeout=30)
             raise
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
@@ -136,3 +136,24 @@ def test_parallel_none_refuses_a_torchrun_launch_and_ddp_needs_one(tmp_path, dat
     alone = k3_train(*base, "--run-dir", tmp_path / "b", "--parallel", "ddp")
     assert alone.returncode == 2 and "torchrun" in alone.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_timed_out_launch_takes_the_ranks_in_their_own_sessions_with_it(tmp_path):
+    """What torchrun does: each "rank" in a session of its own. The timeout must reach it
+    (a stuck rank once outlived its killed torchrun and hung the suite)."""
+    pid_file = tmp_path / "rank.pid"
+    launcher = ("import subprocess, sys, time\n"
+                "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],"
+                " start_new_session=True, stdout=subprocess.DEVNULL,"
+                " stderr=subprocess.DEVNULL)\n"
+                f"open({str(pid_file)!r}, 'w').write(str(rank.pid))\n"
+                "time.sleep(300)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run([sys.executable, "-c", launcher], timeout=5)
+    rank = Path("/proc", pid_file.read_text())
+    for _ in range(100):  # SIGKILL is asynchronous; a reaped or zombie rank is gone
+        if not rank.exists() or (rank / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"rank {pid_file.read_text()} outlived the timeout")

@@ -92,6 +92,24 @@ class Parallel:
                                                   forward_sync_buffers=False)
         return self.module
 
+    def release(self) -> None:
+        """Drop the wrapper; call before the process group is destroyed.
+
+        DDP's C++ reducer holds the process group. Were the reducer the last holder, the
+        gloo group would be destroyed inside the reducer's destructor, which runs with the
+        GIL held and joins gloo's worker threads, while a worker may be waiting for the
+        GIL to free a finished collective's tensors: a rank that hangs at exit (seen once
+        in CI, stuck in that join). The reducer goes now, while the group is still registered,
+        even if something (an exception's traceback) still holds the wrapper; the group
+        is then destroyed from Python, whose binding releases the GIL first.
+        """
+        module, self.module = self.module, None
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(module, DistributedDataParallel):
+            for name in ("logger", "reducer"):  # the logger holds the reducer too
+                module.__dict__.pop(name, None)
+
     # --- collectives -------------------------------------------------------------------
 
     def mean_item(self, loss: Tensor) -> float:
@@ -183,8 +201,10 @@ def set_balancer_gather(gather: Callable[[Tensor], Tensor] | None) -> None:
 
 def shutdown(parallel: Parallel | None, *, clean: bool = True) -> None:
     """Leave the process group; after a clean run, together (a rank that tears gloo down
-    while another still finishes its work can leave that one waiting forever)."""
+    while another still finishes its work can leave that one waiting forever). The model
+    wrapper is released first (:meth:`Parallel.release`)."""
     if parallel is not None and dist.is_initialized():
+        parallel.release()
         if clean:
             dist.barrier()
         dist.destroy_process_group()
