@@ -90,7 +90,11 @@ def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process below it. The tree is read from ``/proc`` before
     anything is killed: an orphan is adopted by init, and its parent link to the tree is
-    lost."""
+    lost. Without ``/proc`` (not Linux), only ``pid``'s process group."""
+    if not Path("/proc/self/stat").exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        return
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -138,6 +138,7 @@ def test_parallel_none_refuses_a_torchrun_launch_and_ddp_needs_one(tmp_path, dat
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the tree from /proc")
 def test_a_timed_out_launch_takes_the_ranks_in_their_own_sessions_with_it(tmp_path):
     """What torchrun does: each "rank" in a session of its own. The timeout must reach it
     (a stuck rank once outlived its killed torchrun and hung the suite)."""
