@@ -1,5 +1,5 @@
-"""A checkpoint load the data-parallel ranks agree on: refused on one rank, refused on all,
-and no rank changed."""
+"""What the data-parallel ranks agree on about a checkpoint: a write that failed on one rank
+fails on all, and a load refused on one rank is refused on all, with no rank changed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,21 @@ import k3_checkpoint
 
 from .distributed import Parallel
 
-__all__ = ["load_on_every_rank"]
+__all__ = ["any_rank", "load_on_every_rank", "raise_on_every_rank"]
+
+
+def any_rank(parallel: Parallel | None, flag: bool) -> bool:
+    """``flag`` in one process (``parallel=None``); under data parallelism, true on every
+    rank when true on at least one."""
+    return parallel.any(flag) if parallel is not None else flag
+
+
+def raise_on_every_rank(parallel: Parallel | None, failure: OSError | None,
+                        elsewhere: str) -> None:
+    """Raise on every rank when any rank failed: a failing rank its own ``failure``, the
+    others ``OSError(0, elsewhere)``. Call it on every rank."""
+    if any_rank(parallel, failure is not None):
+        raise failure if failure is not None else OSError(0, elsewhere)
 
 
 def load_on_every_rank(
@@ -29,10 +43,7 @@ def load_on_every_rank(
         loaded = load()
     except k3_checkpoint.CheckpointError as exc:
         error = exc
-    refused = error is not None
-    if parallel is not None:
-        refused = parallel.any(refused)
-    if not refused:
+    if not any_rank(parallel, error is not None):
         assert loaded is not None
         return loaded
     if error is None:  # this rank accepted, another refused: undo, then refuse alike

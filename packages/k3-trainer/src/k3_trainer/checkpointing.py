@@ -19,7 +19,7 @@ from torch import nn
 import k3_checkpoint
 from k3_qkclip import QKClip, QKClipPolicy
 
-from .agreement import load_on_every_rank
+from .agreement import load_on_every_rank, raise_on_every_rank
 from .config import TrainConfig, TrainState
 from .data import TokenDataLoader
 from .distributed import Parallel
@@ -145,11 +145,8 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                     digest = k3_checkpoint.save_checkpoint(path, components, metadata)
                 except OSError as error:
                     failure = error
-            if parallel is not None and parallel.any(failure is not None):
-                raise failure or OSError(0, "rank 0 failed to write the checkpoint (see its "
-                                            "error line)")
-            if failure is not None:
-                raise failure
+            raise_on_every_rank(parallel, failure,
+                                "rank 0 failed to write the checkpoint (see its error line)")
     except OSError as error:
         raise CheckpointWriteError(path, error) from error
     if parallel is None or parallel.is_main:

@@ -41,7 +41,7 @@ from torch import nn
 
 import k3_checkpoint
 
-from .agreement import load_on_every_rank
+from .agreement import load_on_every_rank, raise_on_every_rank
 from .distributed import Parallel
 
 META = "k3.ckpt"
@@ -367,17 +367,8 @@ def _tensor_bytes(folder: Path) -> dict[str, int]:
 # --- helpers -------------------------------------------------------------------------------
 
 def _agree(parallel: Parallel | None, failure: OSError | None) -> None:
-    """Raise on every rank when any rank failed (this one with its own error)."""
-    if not _any(parallel, failure is not None):
-        return
-    if failure is not None:
-        raise failure
-    raise OSError(0, "another rank failed to write its part of the checkpoint (see its "
-                     "error line)")
-
-
-def _any(parallel: Parallel | None, flag: bool) -> bool:
-    return parallel.any(flag) if parallel is not None else flag
+    raise_on_every_rank(parallel, failure, "another rank failed to write its part of the "
+                                           "checkpoint (see its error line)")
 
 
 def _os_error(error: BaseException, where: Path) -> OSError:
