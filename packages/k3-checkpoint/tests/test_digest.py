@@ -4,7 +4,11 @@ loader unpickles the very bytes it verified."""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import signal
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from k3_checkpoint import digest as digest_module
 from k3_checkpoint import payload as payload_module
 from k3_checkpoint.buffer import PayloadBuffer
 from k3_checkpoint.digest import (
+    StreamDigest,
     TrailingHasher,
     digest_of_bytes,
     digest_of_view,
@@ -29,10 +34,11 @@ def _formula(data: bytes, block: int) -> bytes:
     return hashlib.sha256(b"".join(hashes)).digest()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_every_digest_path_matches_the_formula(monkeypatch, tmp_path, threads):
+@pytest.mark.parametrize(("threads", "chunk"), [(1, 16), (3, 16), (3, 64)])
+def test_every_digest_path_matches_the_formula(monkeypatch, tmp_path, threads, chunk):
     block = 64
     monkeypatch.setattr(digest_module, "BLOCK", block)
+    monkeypatch.setattr(digest_module, "CHUNK", chunk)  # blocks hashed in 4 pieces, or whole
     monkeypatch.setattr(digest_module, "_threads", lambda: threads)
     generator = random.Random(threads)
     for length in [0, 1, block - 1, block, block + 1, 5 * block, 5 * block + 17, 300 * block]:
@@ -67,6 +73,77 @@ def test_every_digest_path_matches_the_formula(monkeypatch, tmp_path, threads):
         flipped = bytearray(data or b"x")
         flipped[-1] ^= 1
         assert digest_of_bytes(bytes(flipped)) != _formula(data or b"x", block)
+
+
+def _eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_each_block_is_hashed_behind_its_producer_a_chunk_at_a_time(monkeypatch):
+    """The hash keeps up with the bytes as they appear, so a one-block checkpoint does not
+    pay for its read and then its hash."""
+    monkeypatch.setattr(digest_module, "BLOCK", 64)
+    monkeypatch.setattr(digest_module, "CHUNK", 16)
+    data = random.Random(0).randbytes(100)
+    fed: list[tuple[int, int]] = []
+
+    def update(hasher, start, stop):
+        fed.append((start, stop))
+        hasher.update(data[start:stop])
+
+    with StreamDigest(update) as stream:
+        stream.advance(40)  # two and a half chunks of the first block
+        assert _eventually(lambda: fed == [(0, 16), (16, 32)]), fed
+        time.sleep(0.05)
+        assert fed == [(0, 16), (16, 32)]  # never past the bytes that exist
+        stream.advance(100)
+        assert stream.digest() == _formula(data, 64)
+    assert sorted(fed) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 80), (80, 96), (96, 100)]
+
+
+def test_a_producer_that_fails_leaves_no_worker_waiting(monkeypatch):
+    monkeypatch.setattr(digest_module, "_threads", lambda: 1)  # a stuck worker would stall all
+    monkeypatch.setattr(digest_module, "CHUNK", 4)
+    fed: list[int] = []
+    with (
+        pytest.raises(OSError),
+        StreamDigest(lambda hasher, start, stop: fed.append(stop)) as stream,
+    ):
+        stream.advance(10)
+        assert _eventually(lambda: fed == [4, 8])  # the worker now waits for byte 12
+        raise OSError("the read failed")
+    assert _eventually(lambda: stream.pending() == 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_hashes_on_threads_of_its_own(monkeypatch):
+    """The hashing threads are started once per process; a child forked after they started
+    inherits the pool but not its threads, and must not wait on them."""
+    monkeypatch.setattr(digest_module, "BLOCK", 64)
+    monkeypatch.setattr(digest_module, "_threads", lambda: 2)
+    data = random.Random(1).randbytes(1000)
+    expected = _formula(data, 64)
+    assert digest_of_view(data) == expected  # the parent's threads now exist
+    child = os.fork()
+    if child == 0:  # pragma: no cover (runs in the child)
+        os._exit(0 if digest_of_view(data) == expected else 1)
+    statuses: list[int] = []
+
+    def finished() -> bool:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        statuses.append(status)
+        return pid != 0
+
+    if not _eventually(finished, 60):
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child never finished hashing")
+    assert os.waitstatus_to_exitcode(statuses[-1]) == 0
 
 
 def test_checkpoint_header_holds_the_documented_digest(tmp_path):

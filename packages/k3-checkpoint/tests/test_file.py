@@ -9,6 +9,8 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from k3_checkpoint import (
     save_checkpoint,
 )
 from k3_checkpoint import buffer as buffer_module
+from k3_checkpoint import payload as payload_module
 from k3_checkpoint.digest import digest_of_bytes
 from k3_checkpoint.payload import HEADER_SIZE, pack_header
 
@@ -229,6 +232,36 @@ def test_save_fsyncs_the_file_then_the_directory_after_the_rename(tmp_path, monk
     assert os.listdir(tmp_path / "sub") == ["ckpt.k3"]
 
 
+@pytest.mark.skipif(os.name == "nt", reason="Windows cannot replace an open file")
+def test_the_replaced_checkpoint_is_freed_on_another_thread(tmp_path, monkeypatch):
+    """Freeing the old file's blocks (done by the rename when nothing holds it) happens at a
+    close on a background thread, once the new file is in place."""
+    path = tmp_path / "ckpt.k3"
+    closed: list[tuple[bool, int, bytes]] = []
+    real_close = payload_module._close_replaced
+
+    def close(descriptor: int) -> None:
+        content = os.pread(descriptor, 64, 0)
+        links = os.fstat(descriptor).st_nlink
+        closed.append((threading.current_thread() is threading.main_thread(), links, content))
+        real_close(descriptor)
+
+    monkeypatch.setattr(payload_module, "_close_replaced", close)
+    run = make_run()
+    run.step()
+    save_checkpoint(path, **run.save_kwargs())
+    assert closed == []  # nothing was replaced
+    first = path.read_bytes()[:64]
+    run.step()
+    save_checkpoint(path, **run.save_kwargs())
+    deadline = time.monotonic() + 30
+    while not closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # The first checkpoint's file, no longer linked anywhere, closed off the caller's thread.
+    assert closed == [(False, 0, first)]
+    assert read_payload(path)["counters"]["step"] == 2
+
+
 @pytest.mark.parametrize("refusal", [errno.EINVAL, errno.ENOTSUP])
 def test_fsync_directory_syncs_and_tolerates_filesystems_that_refuse(
     tmp_path, monkeypatch, refusal
@@ -321,6 +354,18 @@ def test_save_refuses_what_the_loader_would_refuse(tmp_path, section, key, value
     with pytest.raises(CheckpointError, match=match):
         save_checkpoint(path, **kwargs)
     assert os.listdir(tmp_path) == []
+
+    save_checkpoint(path, **run.save_kwargs())
+    before = fingerprint(run)
+    with pytest.raises(CheckpointError, match=match) as refused:  # checked while it hashes
+        load_checkpoint(path, **kwargs)
+    assert str(path) in str(refused.value) and fingerprint(run) == before
+
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(raw)
+    with pytest.raises(CheckpointError, match="digest mismatch"):  # the file's problem first
+        load_checkpoint(path, **kwargs)
 
 
 def test_component_state_must_be_plain_data_or_tensors(tmp_path):

@@ -44,6 +44,16 @@ def test_restore_rng_is_exact_including_cached_gaussians():
     assert _draws() == expected
 
 
+def test_validating_changes_nothing_and_its_result_restores_exactly():
+    state = capture_rng()
+    expected = _draws()
+    moved = digest(capture_rng())
+    valid = validate_rng_state(state)
+    assert digest(capture_rng()) == moved  # validating drew from no global generator
+    valid.restore()
+    assert _draws() == expected
+
+
 def test_capture_holds_no_reference_to_live_generators():
     state = capture_rng()
     frozen = digest(state)

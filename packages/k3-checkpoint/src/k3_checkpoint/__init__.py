@@ -15,7 +15,7 @@ from .load import LoadedCheckpoint, load_checkpoint
 from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, fsync_directory, read_payload
 from .plain import MISSING
 from .policy import Changes, CompatibilityPolicy
-from .rng import capture_rng, restore_rng, validate_rng_state
+from .rng import ValidRng, capture_rng, restore_rng, validate_rng_state
 from .runtime import runtime_signature
 from .save import save_checkpoint
 from .summary import CheckpointSummary, inspect_checkpoint
@@ -36,6 +36,7 @@ __all__ = [
     "Components",
     "LoadedCheckpoint",
     "Stateful",
+    "ValidRng",
     "__version__",
     "capture_rng",
     "fsync_directory",

@@ -15,7 +15,7 @@ from .errors import CheckpointError
 from .payload import read_verified
 from .plain import to_plain
 from .policy import Changes, CompatibilityPolicy
-from .rng import cuda_device_count, restore_rng, validate_rng_state
+from .rng import cuda_device_count, validate_rng_state
 from .runtime import runtime_signature
 from .save import RESERVED, check_names
 
@@ -65,13 +65,26 @@ def load_checkpoint(
     as for ``save_checkpoint``, models in the runtime signature but not restored here.
     """
     policy = CompatibilityPolicy() if policy is None else policy
-    payload, digest, buffer = read_verified(path)
-    try:
+    live: list[Any] = []
+
+    def describe_live() -> None:
+        """The current side of the comparison; it reads no payload, so it runs while the
+        file's last bytes hash."""
         tree = Tree(components)
         current = to_plain(metadata or {}, "metadata")
         check_names(tree, current)
         current.update({f"{name}_type": t for name, t in _types(tree).items()})
         current["runtime"] = runtime_signature(*tree.modules.values(), *modules)
+        live.extend((tree, current))
+
+    try:
+        payload, digest, buffer = read_verified(path, meanwhile=describe_live)
+    except CheckpointError as error:
+        if error.path is not None:  # the file's own problem
+            raise
+        raise error.with_path(path) from error  # the live objects' (from describe_live)
+    tree, current = live
+    try:
         saved_metadata = {
             key: value
             for key, value in payload.items()
@@ -81,24 +94,24 @@ def load_checkpoint(
         accepted = policy.compare(saved_metadata, current, payload)
         saved = tree.check(payload)
         cuda_may_differ = "device_type" in policy.runtime_may_differ
-        rng: Any = payload.get("rng")
-        validate_rng_state(rng, cuda_may_differ=cuda_may_differ)
-        skipped = len(rng["torch_cuda"]), cuda_device_count()
-        if rng["torch_cuda"] and skipped[0] != skipped[1]:
+        saved_rng: Any = payload.get("rng")
+        rng = validate_rng_state(saved_rng, cuda_may_differ=cuda_may_differ)
+        skipped = len(saved_rng["torch_cuda"]), cuda_device_count()
+        if saved_rng["torch_cuda"] and skipped[0] != skipped[1]:
             accepted["rng.torch_cuda"] = (f"{skipped[0]} devices", f"{skipped[1]} devices")
         tree.restore_others(saved)
     except CheckpointError as error:
         raise error.with_path(path) from error
     try:
         tree.restore_torch(saved)
-        restore_rng(rng, cuda_may_differ=cuda_may_differ)
+        rng.restore()
     except Exception as error:  # validation should make this unreachable
         raise CheckpointError(
             "restore failed after every check passed, so the components may be partly "
             f"restored; rebuild them before trying again ({type(error).__name__}: {error})",
             path=path,
         ) from error
-    del payload, saved, rng  # what the components did not keep is now unreachable
+    del payload, saved, saved_rng, rng  # what the components did not keep is now unreachable
     buffer.release_unused()
     return LoadedCheckpoint(Path(path), digest, saved_metadata, accepted)
 

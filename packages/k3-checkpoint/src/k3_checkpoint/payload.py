@@ -20,17 +20,19 @@ signature: anyone can recompute it).
 
 Writes are atomic: ``path.tmp`` is written with a blank header, the payload is hashed from the
 file while ``torch.save`` writes it (the last blocks while its data is flushed to disk), the
-header is filled in once it is complete, the file is fsynced, renamed over ``path``, and the
-directory is fsynced. A crash at any point leaves the previous ``path`` intact. Nothing reads
-``.tmp`` in place of ``path``, and one cut short mid-write has a blank header, which the reader
-refuses by name.
+header is filled in once it is complete, the file is fsynced, renamed over ``path`` (the file
+it replaces is freed on a background thread), and the directory is fsynced. A crash at any
+point leaves the previous ``path`` intact. Nothing reads ``.tmp`` in place of ``path``, and one
+cut short mid-write has a blank header, which the reader refuses by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -82,7 +84,7 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
             file.write(pack_header(FORMAT_VERSION, writer.length, digest))
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, path)
+        _replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
         cause = _os_error_behind(error)
@@ -93,6 +95,33 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
         raise OSError(cause.errno, cause.strerror or str(cause), str(temporary)) from error
     fsync_directory(path.parent)
     return digest.hex()
+
+
+def _replace(temporary: Path, path: Path) -> None:
+    """``os.replace(temporary, path)``, leaving the replaced file to be freed on another thread.
+
+    A rename frees the file it replaces when nothing else holds it, and freeing is not free:
+    22 ms for 96 MiB here (ext4 mounted with ``discard``), a sixth of the save. Holding the
+    old file open across the rename moves that work to its last close, which a background
+    thread does while the caller goes on (database engines delete obsolete files in the
+    background for the same reason). The new file is in place either way; if the machine
+    stops before the close, the filesystem frees the orphan when it mounts. Not on Windows,
+    where an open file cannot be replaced."""
+    held = None
+    if os.name != "nt":
+        with contextlib.suppress(OSError):  # nothing to replace, or not ours to read
+            held = os.open(path, os.O_RDONLY)
+    try:
+        os.replace(temporary, path)
+    finally:
+        if held is not None:
+            threading.Thread(
+                target=_close_replaced, args=(held,), name="k3-free-replaced", daemon=True
+            ).start()
+
+
+def _close_replaced(descriptor: int) -> None:
+    os.close(descriptor)
 
 
 def _os_error_behind(error: BaseException) -> OSError | None:
@@ -130,21 +159,35 @@ class Verified(NamedTuple):
     buffer: PayloadBuffer
 
 
-def read_verified(path: str | os.PathLike[str]) -> Verified:
+def read_verified(
+    path: str | os.PathLike[str], meanwhile: Callable[[], object] | None = None
+) -> Verified:
     """``read_payload``, with the digest and the buffer (see ``PayloadBuffer.release_unused``).
 
-    The file is read once into memory, each block hashed while the next is read; the digest
-    is checked over those bytes and the same bytes are unpickled, so no byte that was not
-    verified reaches the unpickler, even if the file changes meanwhile. The payload's tensors
-    view those bytes rather than being copied out of them (``buffer.py``).
+    The file is read once into memory and hashed behind the read; the digest is checked over
+    those bytes and the same bytes are unpickled, so no byte that was not verified reaches the
+    unpickler, even if the file changes meanwhile. The payload's tensors view those bytes
+    rather than being copied out of them (``buffer.py``).
+
+    ``meanwhile``: work that needs no payload (a loader's checks of the live objects), run
+    while the last bytes hash. What it raises is raised once the file has been read, verified
+    and unpickled without error, as if it had run after this function.
     """
     path = Path(path)
+    deferred: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            meanwhile()  # type: ignore[misc]
+        except BaseException as error:  # raised below, after the file's own problems
+            deferred.append(error)
+
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             length, expected = _read_header(file, size, path)
             buffer = PayloadBuffer(length)
-            actual = read_and_digest(file, buffer.view)
+            actual = read_and_digest(file, buffer.view, guarded if meanwhile else None)
         if not actual:
             raise CheckpointError("is shorter than when it was opened (changed while read)")
         if actual != expected:
@@ -168,6 +211,8 @@ def read_verified(path: str | os.PathLike[str]) -> Verified:
             f"payload format_version {version!r} disagrees with the header's {FORMAT_VERSION}",
             path=path,
         )
+    if deferred:
+        raise deferred[0]
     return Verified(payload, actual.hex(), buffer)
 
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .errors import CheckpointError
 
-__all__ = ["capture_rng", "cuda_device_count", "restore_rng", "validate_rng_state"]
+__all__ = [
+    "ValidRng", "capture_rng", "cuda_device_count", "restore_rng", "validate_rng_state",
+]  # fmt: skip
 
 _PARTS = ("python", "numpy", "torch_cpu", "torch_cuda")
 
@@ -53,9 +55,29 @@ def capture_rng() -> dict[str, Any]:
     }
 
 
-def validate_rng_state(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> None:
-    """Raise ``CheckpointError`` unless ``restore_rng(state)`` would succeed; change nothing."""
-    _parsed(state, cuda_may_differ)
+class ValidRng(NamedTuple):
+    """Every generator's state in its library's own form, each already accepted by a
+    throwaway generator of its kind (what ``validate_rng_state`` returns)."""
+
+    python: Any
+    numpy: Any
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor]
+
+    def restore(self) -> None:
+        """Set every global generator to these states (they were validated, so all are set)."""
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch_cpu)
+        if self.torch_cuda:
+            torch.cuda.set_rng_state_all(self.torch_cuda)
+
+
+def validate_rng_state(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> ValidRng:
+    """Raise ``CheckpointError`` unless ``restore_rng(state)`` would succeed; change nothing.
+    Returns the validated states: their ``restore()`` does what ``restore_rng`` would, without
+    validating again (a loader checks first and restores last)."""
+    return _parsed(state, cuda_may_differ)
 
 
 def restore_rng(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> None:
@@ -64,12 +86,7 @@ def restore_rng(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> N
     With ``cuda_may_differ``, CUDA states saved for another device count are skipped instead
     of refused (a resume on another machine; its CUDA streams are then fresh).
     """
-    python_state, numpy_state, cpu_state, cuda_states = _parsed(state, cuda_may_differ)
-    random.setstate(python_state)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(cpu_state)
-    if cuda_states:
-        torch.cuda.set_rng_state_all(cuda_states)
+    validate_rng_state(state, cuda_may_differ=cuda_may_differ).restore()
 
 
 def cuda_device_count() -> int:
@@ -77,9 +94,7 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _parsed(
-    state: Mapping[str, Any], cuda_may_differ: bool = False
-) -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:
+def _parsed(state: Mapping[str, Any], cuda_may_differ: bool = False) -> ValidRng:
     """The library-native forms of ``state``, each already accepted by a throwaway generator."""
     if not isinstance(state, Mapping) or set(state) != set(_PARTS):
         found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
@@ -120,7 +135,7 @@ def _parsed(
             torch.Generator(device=f"cuda:{index}").set_state(tensor)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as error:
         raise CheckpointError(f"rng state '{part}' cannot be restored: {error}") from error
-    return python_state, numpy_state, cpu_state, cuda_states
+    return ValidRng(python_state, numpy_state, cpu_state, cuda_states)
 
 
 def _cuda_in_use() -> bool:
