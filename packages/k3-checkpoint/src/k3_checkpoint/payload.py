@@ -32,7 +32,6 @@ import contextlib
 import errno
 import os
 import struct
-import threading
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 
 from .buffer import PayloadBuffer
-from .digest import TrailingHasher, read_and_digest
+from .digest import TrailingHasher, read_and_digest, workers
 from .errors import CheckpointError
 
 __all__ = [
@@ -102,11 +101,11 @@ def _replace(temporary: Path, path: Path) -> None:
 
     A rename frees the file it replaces when nothing else holds it, and freeing is not free:
     22 ms for 96 MiB here (ext4 mounted with ``discard``), a sixth of the save. Holding the
-    old file open across the rename moves that work to its last close, which a background
-    thread does while the caller goes on (database engines delete obsolete files in the
-    background for the same reason). The new file is in place either way; if the machine
-    stops before the close, the filesystem frees the orphan when it mounts. Not on Windows,
-    where an open file cannot be replaced."""
+    old file open across the rename moves that work to its last close, which one of the
+    package's worker threads (``digest.workers``) does while the caller goes on (database
+    engines delete obsolete files in the background for the same reason). The new file is in
+    place either way; if the machine stops before the close, the filesystem frees the orphan
+    when it mounts. Not on Windows, where an open file cannot be replaced."""
     held = None
     if os.name != "nt":
         with contextlib.suppress(OSError):  # nothing to replace, or not ours to read
@@ -115,9 +114,7 @@ def _replace(temporary: Path, path: Path) -> None:
         os.replace(temporary, path)
     finally:
         if held is not None:
-            threading.Thread(
-                target=_close_replaced, args=(held,), name="k3-free-replaced", daemon=True
-            ).start()
+            workers().submit(_close_replaced, held)
 
 
 def _close_replaced(descriptor: int) -> None:
