@@ -262,6 +262,34 @@ def test_the_replaced_checkpoint_is_freed_on_another_thread(tmp_path, monkeypatc
     assert read_payload(path)["counters"]["step"] == 2
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs and symbolic links")
+def test_a_save_over_a_fifo_or_a_link_replaces_it_without_opening_it(tmp_path, monkeypatch):
+    """Only a regular file is held open across the rename: opening a FIFO for reading would
+    wait for a writer forever, and a link's target is not what the rename replaces."""
+    held: list[int] = []
+    monkeypatch.setattr(
+        payload_module, "_close_replaced", lambda fd: (held.append(fd), os.close(fd))
+    )
+    run = make_run()
+    run.step()
+    fifo, target, link = tmp_path / "fifo.k3", tmp_path / "target.k3", tmp_path / "link.k3"
+    os.mkfifo(fifo)
+    saver = threading.Thread(
+        target=save_checkpoint, args=(fifo,), kwargs=run.save_kwargs(), daemon=True
+    )
+    saver.start()
+    saver.join(60)
+    assert not saver.is_alive(), "the save waited on the FIFO"
+    save_checkpoint(target, **run.save_kwargs())
+    link.symlink_to(target)
+    run.step()
+    save_checkpoint(link, **run.save_kwargs())
+    assert stat.S_ISREG(os.lstat(fifo).st_mode) and stat.S_ISREG(os.lstat(link).st_mode)
+    assert read_payload(target)["counters"]["step"] == 1  # the link was replaced, not its target
+    assert read_payload(link)["counters"]["step"] == 2
+    assert held == []
+
+
 @pytest.mark.parametrize("refusal", [errno.EINVAL, errno.ENOTSUP])
 def test_fsync_directory_syncs_and_tolerates_filesystems_that_refuse(
     tmp_path, monkeypatch, refusal

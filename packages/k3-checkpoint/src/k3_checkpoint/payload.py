@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Mapping
@@ -106,15 +107,25 @@ def _replace(temporary: Path, path: Path) -> None:
     engines delete obsolete files in the background for the same reason). The new file is in
     place either way; if the machine stops before the close, the filesystem frees the orphan
     when it mounts. Not on Windows, where an open file cannot be replaced."""
-    held = None
-    if os.name != "nt":
-        with contextlib.suppress(OSError):  # nothing to replace, or not ours to read
-            held = os.open(path, os.O_RDONLY)
+    held = _open_replaced(path)
     try:
         os.replace(temporary, path)
     finally:
         if held is not None:
             workers().submit(_close_replaced, held)
+
+
+def _open_replaced(path: Path) -> int | None:
+    """A read-only descriptor of the regular file at ``path`` (a link is not followed: the
+    rename replaces the link), or None: nothing there, not a regular file (opening a FIFO or
+    a device could block or act), not ours to read, or Windows."""
+    if os.name == "nt":
+        return None
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            return os.open(path, flags)
+    return None
 
 
 def _close_replaced(descriptor: int) -> None:
