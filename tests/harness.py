@@ -100,9 +100,7 @@ def kill_tree(pid: int) -> None:
         if not entry.name.isdigit():
             continue
         try:
-            # comm (field 2) may hold spaces and parentheses; the fields after its last ")"
-            # are state, ppid, ...
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            ppid = int(proc_stat(int(entry.name))[1])
         except (ValueError, OSError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
@@ -113,6 +111,12 @@ def kill_tree(pid: int) -> None:
     for member in tree:
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(member, signal.SIGKILL)
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name: state, ppid, ... (comm may
+    hold spaces and parentheses, so they are the ones after its last ")"). Linux only."""
+    return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()
 
 
 def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:

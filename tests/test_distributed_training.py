@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import k3_train, kill_tree, subprocess_env
+from harness import k3_train, kill_tree, proc_stat, subprocess_env
 
 from k3_trainer import TokenDataLoader
 
@@ -151,10 +151,13 @@ def test_a_timed_out_launch_takes_the_ranks_in_their_own_sessions_with_it(tmp_pa
                 "time.sleep(300)\n")
     with pytest.raises(subprocess.TimeoutExpired):
         _run([sys.executable, "-c", launcher], timeout=5)
-    rank = Path("/proc", pid_file.read_text())
+    rank = int(pid_file.read_text())
     for _ in range(100):  # SIGKILL is asynchronous; a reaped or zombie rank is gone
-        if not rank.exists() or (rank / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+        try:
+            if proc_stat(rank)[0] == "Z":
+                break
+        except (FileNotFoundError, ProcessLookupError):
             break
         time.sleep(0.05)
     else:
-        pytest.fail(f"rank {pid_file.read_text()} outlived the timeout")
+        pytest.fail(f"rank {rank} outlived the timeout")

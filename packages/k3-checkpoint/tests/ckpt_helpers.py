@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,3 +254,14 @@ def rewrite(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
     payload = read_payload(path)
     change(payload)
     write_payload(path, payload)
+
+
+def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
+    """Whether ``condition()`` became true within ``seconds`` (polled every millisecond):
+    for what a worker thread or another process does in its own time."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

@@ -9,11 +9,10 @@ import random
 import signal
 import time
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
-from ckpt_helpers import make_run
+from ckpt_helpers import eventually, make_run
 
 from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
 from k3_checkpoint import digest as digest_module
@@ -76,15 +75,6 @@ def test_every_digest_path_matches_the_formula(monkeypatch, tmp_path, threads, c
         assert digest_of_bytes(bytes(flipped)) != _formula(data or b"x", block)
 
 
-def _eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
 def test_each_block_is_hashed_behind_its_producer_a_chunk_at_a_time(monkeypatch):
     """The hash keeps up with the bytes as they appear, so a one-block checkpoint does not
     pay for its read and then its hash."""
@@ -99,7 +89,7 @@ def test_each_block_is_hashed_behind_its_producer_a_chunk_at_a_time(monkeypatch)
 
     with StreamDigest(update) as stream:
         stream.advance(40)  # two and a half chunks of the first block
-        assert _eventually(lambda: fed == [(0, 16), (16, 32)]), fed
+        assert eventually(lambda: fed == [(0, 16), (16, 32)]), fed
         time.sleep(0.05)
         assert fed == [(0, 16), (16, 32)]  # never past the bytes that exist
         stream.advance(100)
@@ -116,9 +106,9 @@ def test_a_producer_that_fails_leaves_no_worker_waiting(monkeypatch):
         StreamDigest(lambda hasher, start, stop: fed.append(stop)) as stream,
     ):
         stream.advance(10)
-        assert _eventually(lambda: fed == [4, 8])  # the worker now waits for byte 12
+        assert eventually(lambda: fed == [4, 8])  # the worker now waits for byte 12
         raise OSError("the read failed")
-    assert _eventually(lambda: stream.pending() == 0)
+    assert eventually(lambda: stream.pending() == 0)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -142,7 +132,7 @@ def test_a_forked_child_hashes_on_threads_of_its_own(monkeypatch):
         statuses.append(status)
         return pid != 0
 
-    if not _eventually(finished, 60):
+    if not eventually(finished, 60):
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
         pytest.fail("the forked child never finished hashing")

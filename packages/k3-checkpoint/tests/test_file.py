@@ -10,13 +10,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import fingerprint, make_run
+from ckpt_helpers import eventually, fingerprint, make_run
 
 from k3_checkpoint import (
     CheckpointError,
@@ -254,9 +253,7 @@ def test_the_replaced_checkpoint_is_freed_on_another_thread(tmp_path, monkeypatc
     first = path.read_bytes()[:64]
     run.step()
     save_checkpoint(path, **run.save_kwargs())
-    deadline = time.monotonic() + 30
-    while not closed and time.monotonic() < deadline:
-        time.sleep(0.001)
+    assert eventually(lambda: closed)
     # The first checkpoint's file, no longer linked anywhere, closed off the caller's thread.
     assert closed == [(False, 0, first)]
     assert read_payload(path)["counters"]["step"] == 2
