@@ -52,7 +52,7 @@ def _components(state: tuple[nn.Module, torch.optim.Optimizer, Keeper]) -> dict[
 
 
 def _inside(tensor: torch.Tensor, buffer: PayloadBuffer) -> bool:
-    base = buffer._bytes.data_ptr()
+    base = buffer._storage.data_ptr()
     return base <= tensor.data_ptr() < base + buffer.length
 
 
@@ -194,7 +194,7 @@ def test_the_buffer_asks_for_huge_pages():
     """One fault per 2 MiB instead of per 4 KiB: most of a fresh read's cost was faults. In
     'madvise' mode only memory that asks for huge pages is eligible."""
     buffer = PayloadBuffer(8 << 20)
-    start = buffer._bytes.data_ptr()
+    start = buffer._storage.data_ptr()
     with open("/proc/self/smaps") as smaps:
         areas = re.split(r"^(?=[0-9a-f]+-[0-9a-f]+ )", smaps.read(), flags=re.MULTILINE)
     for area in filter(None, areas):  # the text before the first area is empty

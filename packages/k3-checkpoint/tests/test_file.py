@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
 import pickle
+import pickletools
 import stat
 import subprocess
 import sys
 import textwrap
 import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -400,3 +403,68 @@ def test_component_state_must_be_plain_data_or_tensors(tmp_path):
     with pytest.raises(CheckpointError, match=r"grad_scaler\.scale is a builtins\.set"):
         save_checkpoint(tmp_path / "ckpt.k3", **run.save_kwargs())
     assert os.listdir(tmp_path) == []
+
+
+def _pickle_opcodes(raw: bytes) -> set[str]:
+    """The opcode names of a checkpoint's pickle (the zip member ``*/data.pkl``)."""
+    with zipfile.ZipFile(io.BytesIO(raw[HEADER_SIZE:])) as archive:
+        (member,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        return {opcode.name for opcode, _, _ in pickletools.genops(archive.read(member))}
+
+
+def test_the_payload_pickle_has_no_memo_and_still_loads_in_torch(tmp_path, checkpoint_bytes):
+    """The memo opcodes are what torch's weights-only unpickler tests for last; a tree needs
+    none. The payload stays an ordinary pickle: torch.load reads it to the same values."""
+    opcodes = _pickle_opcodes(checkpoint_bytes)
+    assert "REDUCE" in opcodes and "BINPERSID" in opcodes  # tensors were written
+    assert not opcodes & {"BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET"}
+    path = tmp_path / "ckpt.k3"
+    path.write_bytes(checkpoint_bytes)
+    ours = read_payload(path)
+    theirs = torch.load(io.BytesIO(checkpoint_bytes[HEADER_SIZE:]), weights_only=True)
+    assert theirs.keys() == ours.keys()
+    flat_ours, flat_theirs = _flat(ours), _flat(theirs)
+    assert flat_ours.keys() == flat_theirs.keys()
+    for key, value in flat_ours.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, flat_theirs[key]), key
+        else:
+            assert value == flat_theirs[key], key
+
+
+def _flat(value: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        return {
+            k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}.{key}").items()
+        }
+    if isinstance(value, (list, tuple)):
+        return {
+            k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}[{i}]").items()
+        }
+    return {prefix: value}
+
+
+def test_a_state_that_contains_itself_is_refused_and_writes_nothing(tmp_path):
+    """Without the memo a reference cycle cannot be written; the save says so, and the
+    previous checkpoint stays."""
+
+    class Looped(torch.nn.Module):
+        def get_extra_state(self) -> object:
+            looped: list[object] = [1]
+            looped.append(looped)
+            return looped
+
+        def set_extra_state(self, state: object) -> None:
+            pass
+
+    run = make_run()
+    run.step()
+    path = tmp_path / "ckpt.k3"
+    save_checkpoint(path, **run.save_kwargs())
+    previous = path.read_bytes()
+    kwargs = run.save_kwargs()
+    kwargs["components"] = {**kwargs["components"], "looped": Looped()}
+    with pytest.raises(CheckpointError, match="reference cycle") as refused:
+        save_checkpoint(path, **kwargs)
+    assert str(path) in str(refused.value)
+    assert path.read_bytes() == previous and os.listdir(tmp_path) == ["ckpt.k3"]

@@ -70,16 +70,32 @@ def test_capture_holds_no_reference_to_live_generators():
             "'python'",
         ),
         ("numpy", {"bit_generator": "PCG64"}, "'numpy'"),
+        (
+            "python",
+            {"version": 3, "state": torch.full((625,), -1, dtype=torch.int64), "gauss_next": None},
+            "'python'.*32 bits",
+        ),
+        ("numpy", "words", "'numpy'.*32 bits"),
         ("torch_cpu", torch.zeros(10, dtype=torch.uint8), "'torch_cpu'"),
         ("torch_cpu", [1, 2, 3], "'torch_cpu'.*1-D uint8 tensor"),
         ("torch_cuda", [torch.zeros(16, dtype=torch.uint8)] * 9, "'torch_cuda'"),
     ],
-    ids=["python-short", "numpy-kind", "torch-size", "torch-type", "cuda-count"],
+    ids=[
+        "python-short",
+        "numpy-kind",
+        "python-negative",
+        "numpy-33-bits",
+        "torch-size",
+        "torch-type",
+        "cuda-count",
+    ],
 )
 def test_a_bad_part_restores_nothing(part, bad, match):
     state = capture_rng()
     _draws()
     before = digest(capture_rng())
+    if bad == "words":  # a key past 32 bits
+        bad = {**state["numpy"], "keys": state["numpy"]["keys"].clone().fill_(1 << 32)}
     broken = {**state, part: bad}
     with pytest.raises(CheckpointError, match=f"rng state {match}"):
         validate_rng_state(broken)

@@ -23,6 +23,7 @@ False and ``torch.load`` copies the tensors out of the same verified buffer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import itertools
@@ -46,7 +47,7 @@ class PayloadBuffer:
         self.length = length
         self._map = _anonymous_map(max(length, 1))
         self.view = memoryview(self._map)[:length]
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._storage = torch.frombuffer(self._map, dtype=torch.uint8).untyped_storage()
         self._lent: list[tuple[int, int, torch.UntypedStorage]] = []
 
     def unpickle(self) -> Any:
@@ -72,7 +73,7 @@ class PayloadBuffer:
             raise ValueError(
                 f"tensor bytes {start}:{stop} lie outside the {self.length}-byte payload"
             )
-        storage: torch.UntypedStorage = self._bytes.untyped_storage()[start:stop]
+        storage: torch.UntypedStorage = self._storage[start:stop]
         self._lent.append((start, stop, storage))
         return storage
 
@@ -136,6 +137,7 @@ def _anonymous_map(size: int) -> mmap.mmap:
     return mapping
 
 
+@functools.cache
 def zero_copy_supported() -> bool:
     """Whether this torch and OS have what ``PayloadBuffer`` views and releases memory with."""
     serialization = torch.serialization
@@ -170,8 +172,13 @@ class MemoryFile(io.RawIOBase):
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._data)}
-        self._position = max(0, base[whence] + offset)
+        if whence == io.SEEK_CUR:
+            offset += self._position
+        elif whence == io.SEEK_END:
+            offset += len(self._data)
+        elif whence != io.SEEK_SET:
+            raise ValueError(f"invalid whence ({whence})")
+        self._position = max(0, offset)
         return self._position
 
     def readinto(self, buffer: Any) -> int:

@@ -116,18 +116,18 @@ class Tree:
                 "at an update boundary, after optimizer.zero_grad(set_to_none=True)"
             )
 
-    def check(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+    def check(self, payload: Mapping[str, Any], structure: Mapping[str, Any]) -> dict[str, Any]:
         """Raise unless every component has a saved state and the torch ones fit; return the
-        saved states by dotted name. Reads live objects, changes none."""
+        saved states by dotted name. ``structure``: this tree's ``structure()`` (a loader has
+        it from comparing optimizer types). Reads live objects, changes none."""
         for group, members in self.groups.items():
             held = _saved_state(payload, group)
             if not isinstance(held, Mapping) or set(held) != set(members):
                 found = sorted(held, key=str) if isinstance(held, Mapping) else type(held).__name__
                 raise CheckpointError(f"{group} differ: checkpoint {found}, current {members}")
         saved = {name: _saved_state(payload, name) for name in self.leaves}
-        names = layout_names(*self.modules.values())
         for name, optimizer in self.optimizers.items():
-            layout = optimizer_layout(optimizer, names)
+            layout = structure[f"{name}_layout"]
             check_layout(_field(payload, f"{name}_layout"), layout, f"{name}_layout")
             check_optimizer_state(saved[name], optimizer, layout)
         for name, module in self.modules.items():

@@ -7,12 +7,12 @@ runs at about 1-2 GB/s, no faster than ``torch.load`` copies tensors; blocks has
 change to any block changes that block's hash and so the digest, with sha256's strength.
 
 Both directions hash a stream while it is produced (``StreamDigest``): each block on a worker
-thread, one ``CHUNK`` at a time as soon as that chunk's bytes exist, so the hash trails the
-producer by at most a chunk, not a block. Saving hashes from the page cache behind
-``torch.save`` (``TrailingHasher``: torch never waits for a hash); loading reads the file into
-memory, hashing behind the read (``read_and_digest``), and only then unpickles those same bytes
-(``buffer.py``). A checkpoint of one block would otherwise pay for its read (or write) and its
-hash one after the other.
+thread, which hashes all of the block that exists as soon as a ``CHUNK`` more of it does, so
+the hash trails the producer by at most a chunk, not a block. Saving hashes from the page
+cache behind ``torch.save`` (``TrailingHasher``: torch never waits for a hash); loading reads
+the file into memory, hashing behind the read (``read_and_digest``), and only then unpickles
+those same bytes (``buffer.py``). A checkpoint of one block would otherwise pay for its read
+(or write) and its hash one after the other.
 
 Reproduce it without this package::
 
@@ -66,7 +66,7 @@ class StreamDigest:
     """The digest of a stream still being produced (read into memory, written to a file).
 
     The producer reports how many bytes exist (``advance``); each block is hashed on a worker
-    as its bytes appear, through ``update``, one ``CHUNK`` at a time. ``digest()`` ends the
+    as its bytes appear, through ``update``, a ``CHUNK`` or more at a time. ``digest()`` ends the
     stream and combines the block hashes. Use as a context manager: leaving it, normally or
     not, ends the stream, so no worker waits for bytes that will never come.
     """
@@ -109,13 +109,15 @@ class StreamDigest:
             self._condition.notify_all()
 
     def _hash_block(self, start: int) -> bytes:
+        """Each pass waits for a chunk more, then hashes all of the block that exists: a producer
+        that runs ahead (a read outpaces sha256) is caught up in one ``update``, so this thread
+        waits for the GIL once, not once per chunk, while the producer's thread runs Python."""
         hasher, position, end = hashlib.sha256(), start, start + BLOCK
         while position < end:
-            target = min(position + CHUNK, end)
             with self._condition:
-                while self._ready < target and not self._ended:
+                while self._ready < min(position + CHUNK, end) and not self._ended:
                     self._condition.wait()
-                stop = min(self._ready, target)
+                stop = min(self._ready, end)
             if stop <= position:  # the stream ended inside this block
                 break
             self._update(hasher, position, stop)

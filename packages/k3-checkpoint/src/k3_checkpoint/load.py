@@ -73,9 +73,10 @@ def load_checkpoint(
         tree = Tree(components)
         current = to_plain(metadata or {}, "metadata")
         check_names(tree, current)
-        current.update({f"{name}_type": t for name, t in _types(tree).items()})
+        structure = tree.structure()
+        current.update({f"{name}_type": structure[f"{name}_type"] for name in tree.optimizers})
         current["runtime"] = runtime_signature(*tree.modules.values(), *modules)
-        live.extend((tree, current))
+        live.extend((tree, current, structure))
 
     try:
         payload, digest, buffer = read_verified(path, meanwhile=describe_live)
@@ -83,7 +84,7 @@ def load_checkpoint(
         if error.path is not None:  # the file's own problem
             raise
         raise error.with_path(path) from error  # the live objects' (from describe_live)
-    tree, current = live
+    tree, current, structure = live
     try:
         saved_metadata = {
             key: value
@@ -92,7 +93,7 @@ def load_checkpoint(
         }
         saved_metadata["runtime"] = payload.get("runtime")
         accepted = policy.compare(saved_metadata, current, payload)
-        saved = tree.check(payload)
+        saved = tree.check(payload, structure)
         cuda_may_differ = "device_type" in policy.runtime_may_differ
         saved_rng: Any = payload.get("rng")
         rng = validate_rng_state(saved_rng, cuda_may_differ=cuda_may_differ)
@@ -114,8 +115,3 @@ def load_checkpoint(
     del payload, saved, saved_rng, rng  # what the components did not keep is now unreachable
     buffer.release_unused()
     return LoadedCheckpoint(Path(path), digest, saved_metadata, accepted)
-
-
-def _types(tree: Tree) -> dict[str, str]:
-    structure = tree.structure()
-    return {name: structure[f"{name}_type"] for name in tree.optimizers}

@@ -40,6 +40,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
+from . import unmemoized
 from .buffer import PayloadBuffer
 from .digest import TrailingHasher, read_and_digest, workers
 from .errors import CheckpointError
@@ -76,7 +77,7 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
         with open(temporary, "w+b") as file:  # read too: the hasher maps what was written
             file.write(bytes(HEADER_SIZE))  # blank: marks an unfinished write
             with TrailingHasher(file, HEADER_SIZE) as writer:
-                torch.save(dict(payload), writer)  # type: ignore[arg-type]  # has write()
+                torch.save(dict(payload), writer, pickle_module=unmemoized)  # type: ignore[arg-type]
                 # If the hashing lags (busy cores), the payload heads for the disk while the
                 # last blocks hash, and the fsync below has little left but the header.
                 digest = writer.finish(meanwhile=lambda: _sync_data(file.fileno()))

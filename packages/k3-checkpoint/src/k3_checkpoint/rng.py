@@ -146,10 +146,9 @@ def _words(value: object) -> tuple[int, ...]:
     """Generator words from their int64 tensor (one pickle record, not 600 pickled ints)."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
         raise TypeError(f"expected a 1-D int64 tensor, got {value!r:.80}")
-    words = tuple(value.tolist())
-    if not all(0 <= word < 1 << 32 for word in words):
+    if value.numel() and not (value.min().item() >= 0 and value.max().item() < 1 << 32):
         raise ValueError("generator words must fit in 32 bits")
-    return words
+    return tuple(value.tolist())
 
 
 def _check_byte_tensor(value: object) -> None:
