@@ -4,16 +4,17 @@ Python's pickler memoizes everything it writes (a PUT after each object) so that
 reference to an object can be a GET. A checkpoint is a tree, so almost no PUT is ever used,
 yet every one costs the loader: torch's weights-only unpickler is a pure-Python loop that
 tests an opcode against each kind in turn, and the memo opcodes come last. In a 4.2 MiB
-checkpoint the memo opcodes were 41% of the pickle's 3,921 and unpickling without them took
-23% less time (9.3 -> 7.1 ms); what the write saves is a second reference to the same
-``_rebuild_tensor_v2`` or dtype, now written out again (``benchmarks/BENCHMARKS.md``).
+checkpoint the memo opcodes were 41% of the pickle's 3,921, and unpickling without them took
+23% less time (9.3 -> 7.1 ms; the repository's ``BENCHMARKS.md``). The price: what a GET
+stood for (``_rebuild_tensor_v2``, a storage type, a repeated key) is written out again, a
+few kilobytes.
 
 The file is an ordinary pickle either way, read by ``torch.load`` and this package alike. An
 object referenced twice is written twice and loads as two equal objects (tensors still share
 their storage: torch writes each storage once). A reference cycle cannot be written; the
 save refuses it with a ``CheckpointError`` (component states are trees, so a checkpoint has
-none).
-"""
+none). Python's documentation calls ``Pickler.fast`` deprecated; should a Python drop it, the
+attribute would do nothing and payloads would be written memoized, as valid as before."""
 
 from __future__ import annotations
 
