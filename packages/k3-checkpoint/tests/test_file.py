@@ -405,6 +405,29 @@ def test_component_state_must_be_plain_data_or_tensors(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_plain_data_that_contains_itself_is_refused_by_name(tmp_path):
+    """A cycle is named like any other refusal (not a RecursionError); a value that merely
+    appears twice is not a cycle."""
+    run = make_run()
+    run.step()
+    shared = [1, 2]
+    run.grad_scaler = {"scale": 1.0, "a": shared, "b": shared}
+    save_checkpoint(tmp_path / "ckpt.k3", **run.save_kwargs())
+    looped: dict[str, object] = {"scale": 1.0}
+    looped["again"] = [looped]
+    run.grad_scaler = looped
+    with pytest.raises(CheckpointError, match=r"grad_scaler\.again\[0\] contains itself"):
+        save_checkpoint(tmp_path / "other.k3", **run.save_kwargs())
+    run.grad_scaler = {"scale": 1.0}
+    kwargs = run.save_kwargs()
+    config: list[object] = []
+    config.append(config)
+    kwargs["metadata"] = {**kwargs["metadata"], "train_config": {"layers": config}}
+    with pytest.raises(CheckpointError, match=r"train_config\.layers\[0\] contains itself"):
+        save_checkpoint(tmp_path / "other.k3", **kwargs)
+    assert os.listdir(tmp_path) == ["ckpt.k3"]
+
+
 def _pickle_opcodes(raw: bytes) -> set[str]:
     """The opcode names of a checkpoint's pickle (the zip member ``*/data.pkl``)."""
     with zipfile.ZipFile(io.BytesIO(raw[HEADER_SIZE:])) as archive:

@@ -26,13 +26,16 @@ MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
 """Stands for the absent side of a key present on one side only."""
 
 
-def to_plain(value: Any, where: str, *, tensors: bool = False) -> Any:
+def to_plain(
+    value: Any, where: str, *, tensors: bool = False, _inside: frozenset[int] = frozenset()
+) -> Any:
     """A copy of ``value`` made only of dict (str keys), list, str, int, float, bool and None.
 
     Tuples become lists and numeric scalars (NumPy's included) become Python numbers, so what
     is saved compares equal to what a caller passes later. Anything else (an object, a set, an
     enum) raises ``CheckpointError`` naming its place, e.g. ``train_config.betas``. Tensors are
-    refused too unless ``tensors`` (a component's state may hold them; metadata may not).
+    refused too unless ``tensors`` (a component's state may hold them; metadata may not), and
+    so is a container that contains itself (``_inside``: the containers around ``value``).
     """
     if value is None or type(value) in (bool, str):
         return value
@@ -46,16 +49,25 @@ def to_plain(value: Any, where: str, *, tensors: bool = False) -> Any:
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
+    if isinstance(value, (Mapping, list, tuple)):
+        if id(value) in _inside:
+            raise CheckpointError(
+                f"{where} contains itself (a reference cycle); a checkpoint stores trees"
+            )
+        _inside = _inside | {id(value)}
     if isinstance(value, Mapping):
         plain = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"{where} has the non-string key {key!r}; use string keys")
-            plain[str.__str__(key)] = to_plain(item, f"{where}.{key}", tensors=tensors)
+            plain[str.__str__(key)] = to_plain(
+                item, f"{where}.{key}", tensors=tensors, _inside=_inside
+            )
         return plain
     if isinstance(value, (list, tuple)):
         return [
-            to_plain(item, f"{where}[{index}]", tensors=tensors) for index, item in enumerate(value)
+            to_plain(item, f"{where}[{index}]", tensors=tensors, _inside=_inside)
+            for index, item in enumerate(value)
         ]
     raise CheckpointError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints hold "
