@@ -77,25 +77,6 @@ def validate_rng_state(state: Mapping[str, Any], *, cuda_may_differ: bool = Fals
     """Raise ``CheckpointError`` unless ``restore_rng(state)`` would succeed; change nothing.
     Returns the validated states: their ``restore()`` does what ``restore_rng`` would, without
     validating again (a loader checks first and restores last)."""
-    return _parsed(state, cuda_may_differ)
-
-
-def restore_rng(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> None:
-    """Set every global generator to ``state`` (from ``capture_rng``), all or none of them.
-
-    With ``cuda_may_differ``, CUDA states saved for another device count are skipped instead
-    of refused (a resume on another machine; its CUDA streams are then fresh).
-    """
-    validate_rng_state(state, cuda_may_differ=cuda_may_differ).restore()
-
-
-def cuda_device_count() -> int:
-    """CUDA devices this process can restore generator states to (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _parsed(state: Mapping[str, Any], cuda_may_differ: bool = False) -> ValidRng:
-    """The library-native forms of ``state``, each already accepted by a throwaway generator."""
     if not isinstance(state, Mapping) or set(state) != set(_PARTS):
         found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
         raise CheckpointError(f"rng state must have exactly the parts {list(_PARTS)}, got {found}")
@@ -136,6 +117,20 @@ def _parsed(state: Mapping[str, Any], cuda_may_differ: bool = False) -> ValidRng
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as error:
         raise CheckpointError(f"rng state '{part}' cannot be restored: {error}") from error
     return ValidRng(python_state, numpy_state, cpu_state, cuda_states)
+
+
+def restore_rng(state: Mapping[str, Any], *, cuda_may_differ: bool = False) -> None:
+    """Set every global generator to ``state`` (from ``capture_rng``), all or none of them.
+
+    With ``cuda_may_differ``, CUDA states saved for another device count are skipped instead
+    of refused (a resume on another machine; its CUDA streams are then fresh).
+    """
+    validate_rng_state(state, cuda_may_differ=cuda_may_differ).restore()
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can restore generator states to (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cuda_in_use() -> bool:
