@@ -3,20 +3,23 @@ restore the pages nothing kept go back to the OS while every kept tensor stays i
 
 from __future__ import annotations
 
+import io
 import itertools
 import mmap
 import random
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
 from k3_checkpoint import buffer as buffer_module
-from k3_checkpoint import load_checkpoint, save_checkpoint
 from k3_checkpoint.buffer import PayloadBuffer
-from k3_checkpoint.payload import read_verified
+from k3_checkpoint.digest import digest_of_bytes
+from k3_checkpoint.payload import pack_header, read_verified
 
 needs_zero_copy = pytest.mark.skipif(
     not buffer_module.zero_copy_supported(), reason="zero-copy loading needs Linux and torch 2.1+"
@@ -122,6 +125,99 @@ def test_release_frees_what_was_copied_and_keeps_what_was_kept(tmp_path, monkeyp
     _train_step(model, optimizer)
     for mine, theirs in zip(model.parameters(), saved[0].parameters()):
         assert torch.equal(mine, theirs)
+
+
+def _enveloped(payload: object, path: Path) -> bytes:
+    """``payload`` as a format-7 file with a correct header and digest; returns its body."""
+    body = io.BytesIO()
+    torch.save(payload, body)
+    data = body.getvalue()
+    path.write_bytes(pack_header(7, len(data), digest_of_bytes(data)) + data)
+    return data
+
+
+def _assert_same(ours: object, theirs: object) -> None:
+    assert type(ours) is type(theirs)
+    if isinstance(ours, dict):
+        assert ours.keys() == theirs.keys()  # type: ignore[attr-defined]
+        for key in ours:
+            _assert_same(ours[key], theirs[key])  # type: ignore[index]
+    elif isinstance(ours, torch.Tensor):
+        assert (ours.dtype, ours.shape, ours.layout) == (theirs.dtype, theirs.shape, theirs.layout)
+        if ours.layout == torch.strided:
+            assert ours.stride() == theirs.stride()
+            assert ours.storage_offset() == theirs.storage_offset()
+            assert torch.equal(ours, theirs)
+        else:
+            assert torch.equal(ours.to_dense(), theirs.to_dense())
+    else:
+        assert ours == theirs
+
+
+@needs_zero_copy
+def test_the_viewing_load_gives_what_torch_load_gives(tmp_path):
+    """Every dtype, an empty tensor, a strided view, two tensors on one storage and a sparse
+    tensor load as torch.load loads them, and each storage is one view of the buffer."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    payload = {
+        "format_version": 7,
+        "tensors": {
+            str(dtype): torch.arange(6).to(dtype)
+            for dtype in (torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.complex64)
+        },
+        "empty": torch.empty(0, 3),
+        "base": base,
+        "transposed": base.t(),
+        "row": base[2],
+        "sparse": torch.sparse_coo_tensor(
+            torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=True
+        ),
+    }
+    path = tmp_path / "ckpt.k3"
+    body = _enveloped(payload, path)
+    ours, _, buffer = read_verified(path)
+    _assert_same(ours, torch.load(io.BytesIO(body), weights_only=True))
+    for name in ("base", "transposed", "row"):
+        assert _inside(ours[name], buffer), name
+    shared = {ours[name].untyped_storage().data_ptr() for name in ("base", "transposed", "row")}
+    assert len(shared) == 1
+    assert len(buffer._lent) == len(payload["tensors"]) + 1 + 1 + 2  # sparse: indices, values
+
+
+@needs_zero_copy
+def test_a_big_endian_checkpoint_is_byte_swapped_as_torch_load_does(tmp_path, monkeypatch):
+    """A checkpoint written on a big-endian machine records so; its tensors cannot view the
+    little-endian reader's buffer and are swapped into copies, as torch.load does."""
+    values = torch.tensor([1.0, -2.5, 3.25])
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "byteorder", "big")  # what torch.save records as the byte order
+        body = _enveloped({"format_version": 7, "values": values}, tmp_path / "ckpt.k3")
+    ours, _, buffer = read_verified(tmp_path / "ckpt.k3")
+    theirs = torch.load(io.BytesIO(body), weights_only=True)["values"]
+    assert not torch.equal(theirs, values)  # control: the recorded order is honoured
+    assert torch.equal(ours["values"], theirs) and not _inside(ours["values"], buffer)
+
+
+@needs_zero_copy
+def test_the_load_validates_sparse_tensors_and_restores_torchs_thread_state(tmp_path):
+    """As torch.load: with sparse invariant checks on, an index outside its tensor is refused.
+    The map location torch's rebuild functions read is set for the load only, error or not."""
+    bad = torch.sparse_coo_tensor(
+        torch.tensor([[7]]), torch.tensor([1.0]), (3,), check_invariants=False
+    )
+    path = tmp_path / "ckpt.k3"
+    body = _enveloped({"format_version": 7, "sparse": bad}, path)
+    local = torch.serialization._serialization_tls
+    assert local.map_location is None
+    read_payload(path)  # checks off (torch's default): loaded as torch.load loads it
+    assert local.map_location is None
+    with torch.sparse.check_sparse_tensor_invariants(enable=True):
+        with pytest.raises(RuntimeError, match="found index 7"):
+            torch.load(io.BytesIO(body), weights_only=True)  # control
+        with pytest.raises(CheckpointError, match="found index 7"):
+            read_payload(path)
+    assert local.map_location is None
+    assert not torch._utils._sparse_tensors_to_validate  # nothing left for the next load
 
 
 def test_without_zero_copy_the_payload_is_copied_out_and_equal(tmp_path, monkeypatch):

@@ -5,9 +5,9 @@ transparent huge pages, so the read is not mostly page faults), hashes it while 
 (``digest.py``), and only then unpickles it (``payload.py``). ``torch.load`` from that
 memory would copy every tensor out of it: the load would need twice the payload's memory, and
 in a fresh process (a resume) each page of the copy is one more page fault. Instead, torch's
-own zip reader and weights-only unpickler run with a storage source whose slices view the
-buffer: the mechanism behind ``torch.load(mmap=True)``, fed from verified memory rather than a
-file mapping that could change after it was hashed.
+own zip reader and weights-only unpickler run with a ``persistent_load`` whose storages view
+the buffer: the mechanism behind ``torch.load(mmap=True)``, fed from verified memory rather
+than a file mapping that could change after it was hashed.
 
 Views keep the mapping alive, so after a restore ``release_unused()`` returns to the OS the
 pages of every tensor that nothing kept (the model's weights, copied into the model), and
@@ -15,16 +15,16 @@ leaves those something still holds (a CPU optimizer adopts its saved state as it
 a tensor was kept is read from its storage's reference count, so a page is released only when
 no tensor can reach it.
 
-This needs torch.serialization internals (``_load`` with ``overall_storage``, torch 2.1 and
-later) and Linux's ``MADV_DONTNEED``. Where either is missing, ``zero_copy_supported()`` is
-False and ``torch.load`` copies the tensors out of the same verified buffer.
+This needs torch internals (the zip reader, the weights-only unpickler and the thread-local
+map location it places rebuilt tensors by) and Linux's ``MADV_DONTNEED``. Where either is
+missing, ``zero_copy_supported()`` is False and ``torch.load`` copies the tensors out of the
+same verified buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import io
 import itertools
 import mmap
@@ -56,15 +56,47 @@ class PayloadBuffer:
         source = MemoryFile(self.view)
         if not zero_copy_supported():
             return torch.load(source, weights_only=True, map_location="cpu")  # type: ignore[arg-type]
-        serialization = torch.serialization
-        with serialization._open_zipfile_reader(source) as archive:  # type: ignore[arg-type]
-            return serialization._load(  # type: ignore[no-untyped-call]
-                archive,
-                "cpu",
-                serialization._weights_only_unpickler,  # type: ignore[attr-defined]
-                overall_storage=self,
-                encoding="utf-8",  # as torch.load passes it
-            )
+        with torch.serialization._open_zipfile_reader(source) as archive:  # type: ignore[arg-type]
+            if archive.has_record("byteorder") and archive.get_record("byteorder") != b"little":
+                # Written on a big-endian machine: torch.load copies and byte-swaps it.
+                return torch.load(MemoryFile(self.view), weights_only=True, map_location="cpu")  # type: ignore[arg-type]
+            return self._unpickle_viewing(archive)
+
+    def _unpickle_viewing(self, archive: Any) -> Any:
+        """``torch.load(map_location="cpu", weights_only=True)`` of the open ``archive``, each
+        storage a view of the buffer: torch's weights-only unpickler over the archive's
+        ``data.pkl``, with a ``persistent_load`` that finds a storage's record in the buffer.
+
+        ``torch.serialization._load(overall_storage=...)`` does the same, and was called here
+        before. Its per-storage bookkeeping (fake-tensor detection twice, a device restore)
+        cost a 99-tensor payload 1.4 ms of its 7.2 ms unpickle (``BENCHMARKS.md``)."""
+        storages: dict[Any, torch.TypedStorage] = {}
+
+        def persistent_load(saved_id: tuple[Any, ...]) -> torch.TypedStorage:
+            # The unpickler has checked that saved_id is a ("storage", ...) tuple.
+            _, storage_type, key, _location, numel = saved_id  # every location maps to the CPU
+            storage = storages.get(key)
+            if storage is None:
+                dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+                start = archive.get_record_offset(f"data/{key}")
+                storage = storages[key] = torch.TypedStorage(  # type: ignore[no-untyped-call]
+                    wrap_storage=self[start : start + numel * dtype.itemsize],
+                    dtype=dtype,
+                    _internal=True,
+                )
+            return storage
+
+        unpickler = torch.serialization._weights_only_unpickler.Unpickler(  # type: ignore[attr-defined]
+            io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8"
+        )
+        unpickler.persistent_load = persistent_load
+        local = torch.serialization._serialization_tls
+        previous, local.map_location = local.map_location, "cpu"  # for rebuilds that place tensors
+        try:
+            return unpickler.load()
+        finally:
+            local.map_location = previous
+            torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
 
     def __getitem__(self, span: slice) -> torch.UntypedStorage:
         """A tensor's bytes, as ``_load`` slices them: a storage viewing the buffer."""
@@ -140,18 +172,19 @@ def _anonymous_map(size: int) -> mmap.mmap:
 @functools.cache
 def zero_copy_supported() -> bool:
     """Whether this torch and OS have what ``PayloadBuffer`` views and releases memory with."""
-    serialization = torch.serialization
-    needed = ("_load", "_open_zipfile_reader", "_weights_only_unpickler")
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
         return False  # elsewhere MADV_DONTNEED may keep the pages: released would be kept
-    if not all(hasattr(serialization, name) for name in needed):
-        return False
-    if not hasattr(torch._C, "_storage_Use_Count"):
-        return False
-    try:
-        return "overall_storage" in inspect.signature(serialization._load).parameters
-    except (TypeError, ValueError):
-        return False
+    if sys.byteorder != "little":
+        return False  # torch.load byte-swaps little-endian tensors into copies
+    serialization = torch.serialization
+    needed = [
+        (serialization, "_open_zipfile_reader"),
+        (serialization, "_serialization_tls"),
+        (getattr(serialization, "_weights_only_unpickler", None), "Unpickler"),
+        (torch._utils, "_validate_loaded_sparse_tensors"),
+        (torch._C, "_storage_Use_Count"),
+    ]
+    return all(hasattr(owner, name) for owner, name in needed)
 
 
 class MemoryFile(io.RawIOBase):
