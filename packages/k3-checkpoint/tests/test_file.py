@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import io
 import os
@@ -433,6 +434,32 @@ def _pickle_opcodes(raw: bytes) -> set[str]:
     with zipfile.ZipFile(io.BytesIO(raw[HEADER_SIZE:])) as archive:
         (member,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
         return {opcode.name for opcode, _, _ in pickletools.genops(archive.read(member))}
+
+
+def test_tensors_are_written_without_torchs_empty_hook_dicts(checkpoint_bytes):
+    """torch writes an empty OrderedDict per tensor for the hooks it never saves (a GLOBAL and
+    a call for the weights-only unpickler to check); the payload writes None instead, so every
+    tensor loads without hooks, as a new tensor has, in torch.load and this package alike."""
+    with zipfile.ZipFile(io.BytesIO(checkpoint_bytes[HEADER_SIZE:])) as archive:
+        (member,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        pickled = archive.read(member)
+    names = [argument for op, argument, _ in pickletools.genops(pickled) if op.name == "GLOBAL"]
+    theirs = torch.load(io.BytesIO(checkpoint_bytes[HEADER_SIZE:]), weights_only=True)
+    tensors = [value for value in _flat(theirs).values() if isinstance(value, torch.Tensor)]
+    assert len(tensors) > 5 and all(tensor._backward_hooks is None for tensor in tensors)
+    assert names.count("torch._utils _rebuild_tensor_v2") == len(tensors)
+    assert names.count("collections OrderedDict") == _ordered_dicts(theirs)  # the states' own
+
+
+def _ordered_dicts(value: object) -> int:
+    """OrderedDicts in ``value``, attributes included (a module state's ``_metadata``)."""
+    if isinstance(value, dict):
+        children = [*value.values(), *getattr(value, "__dict__", {}).values()]
+    elif isinstance(value, (list, tuple)):
+        children = list(value)
+    else:
+        return 0
+    return int(type(value) is collections.OrderedDict) + sum(map(_ordered_dicts, children))
 
 
 def test_the_payload_pickle_has_no_memo_and_still_loads_in_torch(tmp_path, checkpoint_bytes):
