@@ -4,8 +4,8 @@ Python's ``random``, NumPy's global ``RandomState``, torch's CPU generator and, 
 use, each CUDA device's generator. The captured form loads under ``weights_only=True``: plain
 data plus tensors (generator words as int64, torch states as uint8; a tensor is one pickle
 record where 624 pickled ints would be 624 steps of the pure-Python safe unpickler).
-Restoring validates every part on a throwaway generator first and only then sets the
-globals, so a bad state changes none of them.
+Restoring first validates every part on a scratch generator of its kind (never a global one,
+never drawn from) and only then sets the globals, so a bad state changes none of them.
 """
 
 from __future__ import annotations
