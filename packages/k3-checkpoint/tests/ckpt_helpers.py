@@ -8,6 +8,7 @@ would diverge.
 from __future__ import annotations
 
 import hashlib
+import io
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -20,12 +21,23 @@ import torch
 from torch import nn
 
 from k3_checkpoint import CompatibilityPolicy, capture_rng, read_payload
-from k3_checkpoint.payload import write_payload
+from k3_checkpoint.digest import digest_of_bytes
+from k3_checkpoint.payload import pack_header, write_payload
 
 VOCAB = 64
 TRAINER_POLICY = CompatibilityPolicy(
     may_grow={"train_config.max_steps"}, step_limit=("train_config.max_steps", "counters.step")
 )
+
+
+def write_enveloped(payload: object, path: Path, format_version: int = 7) -> bytes:
+    """Write ``payload`` (a plain ``torch.save``) with a correct header and digest, as a careful
+    forger would; returns the payload's bytes."""
+    body = io.BytesIO()
+    torch.save(payload, body)
+    data = body.getvalue()
+    path.write_bytes(pack_header(format_version, len(data), digest_of_bytes(data)) + data)
+    return data
 
 
 class Cursor:

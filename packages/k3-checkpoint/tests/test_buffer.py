@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import write_enveloped
 from torch import nn
 
 from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
 from k3_checkpoint import buffer as buffer_module
 from k3_checkpoint.buffer import PayloadBuffer
-from k3_checkpoint.digest import digest_of_bytes
-from k3_checkpoint.payload import pack_header, read_verified
+from k3_checkpoint.payload import read_verified
 
 needs_zero_copy = pytest.mark.skipif(
-    not buffer_module.zero_copy_supported(), reason="zero-copy loading needs Linux and torch 2.1+"
+    not buffer_module.zero_copy_supported(),
+    reason="zero-copy loading needs little-endian Linux and torch's serialization internals",
 )
 
 
@@ -127,15 +128,6 @@ def test_release_frees_what_was_copied_and_keeps_what_was_kept(tmp_path, monkeyp
         assert torch.equal(mine, theirs)
 
 
-def _enveloped(payload: object, path: Path) -> bytes:
-    """``payload`` as a format-7 file with a correct header and digest; returns its body."""
-    body = io.BytesIO()
-    torch.save(payload, body)
-    data = body.getvalue()
-    path.write_bytes(pack_header(7, len(data), digest_of_bytes(data)) + data)
-    return data
-
-
 def _assert_same(ours: object, theirs: object) -> None:
     assert type(ours) is type(theirs)
     if isinstance(ours, dict):
@@ -174,7 +166,7 @@ def test_the_viewing_load_gives_what_torch_load_gives(tmp_path):
         ),
     }
     path = tmp_path / "ckpt.k3"
-    body = _enveloped(payload, path)
+    body = write_enveloped(payload, path)
     ours, _, buffer = read_verified(path)
     _assert_same(ours, torch.load(io.BytesIO(body), weights_only=True))
     for name in ("base", "transposed", "row"):
@@ -191,7 +183,7 @@ def test_a_big_endian_checkpoint_is_byte_swapped_as_torch_load_does(tmp_path, mo
     values = torch.tensor([1.0, -2.5, 3.25])
     with monkeypatch.context() as patch:
         patch.setattr(sys, "byteorder", "big")  # what torch.save records as the byte order
-        body = _enveloped({"format_version": 7, "values": values}, tmp_path / "ckpt.k3")
+        body = write_enveloped({"format_version": 7, "values": values}, tmp_path / "ckpt.k3")
     ours, _, buffer = read_verified(tmp_path / "ckpt.k3")
     theirs = torch.load(io.BytesIO(body), weights_only=True)["values"]
     assert not torch.equal(theirs, values)  # control: the recorded order is honoured
@@ -206,7 +198,7 @@ def test_the_load_validates_sparse_tensors_and_restores_torchs_thread_state(tmp_
         torch.tensor([[7]]), torch.tensor([1.0]), (3,), check_invariants=False
     )
     path = tmp_path / "ckpt.k3"
-    body = _enveloped({"format_version": 7, "sparse": bad}, path)
+    body = write_enveloped({"format_version": 7, "sparse": bad}, path)
     local = torch.serialization._serialization_tls
     assert local.map_location is None
     read_payload(path)  # checks off (torch's default): loaded as torch.load loads it

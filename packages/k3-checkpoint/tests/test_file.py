@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import eventually, fingerprint, make_run
+from ckpt_helpers import eventually, fingerprint, make_run, write_enveloped
 
 from k3_checkpoint import (
     CheckpointError,
@@ -30,8 +30,7 @@ from k3_checkpoint import (
 )
 from k3_checkpoint import buffer as buffer_module
 from k3_checkpoint import payload as payload_module
-from k3_checkpoint.digest import digest_of_bytes
-from k3_checkpoint.payload import HEADER_SIZE, pack_header
+from k3_checkpoint.payload import HEADER_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +43,6 @@ def checkpoint_bytes(tmp_path_factory) -> bytes:
     return path.read_bytes()
 
 
-def _enveloped(payload: object, path: Path, format_version: int = 7) -> None:
-    """Write ``payload`` with a correct header and digest, as a careful forger would."""
-    body = path.with_suffix(".body")
-    torch.save(payload, body)
-    data = body.read_bytes()
-    path.write_bytes(pack_header(format_version, len(data), digest_of_bytes(data)) + data)
-
-
 # -- formats -----------------------------------------------------------------------------
 
 
@@ -60,7 +51,7 @@ def test_historical_formats_are_refused_by_name(version, tmp_path):
     bare = tmp_path / "bare.pt"  # what the earlier trainer wrote: a plain torch.save
     torch.save({"format_version": version, "model": {"w": torch.zeros(2)}, "step": 9}, bare)
     enveloped = tmp_path / "enveloped.k3"
-    _enveloped({"format_version": version}, enveloped, format_version=version)
+    write_enveloped({"format_version": version}, enveloped, format_version=version)
     for path in (bare, enveloped):
         with pytest.raises(CheckpointError, match=f"historical recipe format {version} is not"):
             read_payload(path)
@@ -71,7 +62,7 @@ def test_unknown_formats_are_refused(version, tmp_path):
     bare = tmp_path / "bare.pt"
     torch.save({"format_version": version}, bare)
     enveloped = tmp_path / "enveloped.k3"
-    _enveloped({"format_version": version}, enveloped, format_version=version)
+    write_enveloped({"format_version": version}, enveloped, format_version=version)
     for path in (bare, enveloped):
         with pytest.raises(CheckpointError, match=f"unknown checkpoint format {version}"):
             read_payload(path)
@@ -79,7 +70,7 @@ def test_unknown_formats_are_refused(version, tmp_path):
 
 def test_payload_version_must_agree_with_the_header(tmp_path):
     path = tmp_path / "ckpt.k3"
-    _enveloped({"format_version": 6}, path, format_version=7)
+    write_enveloped({"format_version": 6}, path, format_version=7)
     with pytest.raises(CheckpointError, match="payload format_version 6 disagrees"):
         read_payload(path)
 
@@ -189,7 +180,7 @@ def test_malicious_pickles_never_run(tmp_path, monkeypatch, zero_copy):
     zipped = tmp_path / "zipped.pt"
     torch.save({"format_version": 5, "model": _CreatesFile(target)}, zipped)
     enveloped = tmp_path / "enveloped.k3"  # header and digest are correct: only loading guards
-    _enveloped({"format_version": 7, "model": _CreatesFile(target)}, enveloped)
+    write_enveloped({"format_version": 7, "model": _CreatesFile(target)}, enveloped)
 
     for path in (raw_file, zipped, enveloped):
         with pytest.raises(CheckpointError):

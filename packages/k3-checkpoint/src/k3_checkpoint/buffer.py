@@ -99,7 +99,7 @@ class PayloadBuffer:
             torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
 
     def __getitem__(self, span: slice) -> torch.UntypedStorage:
-        """A tensor's bytes, as ``_load`` slices them: a storage viewing the buffer."""
+        """A tensor's bytes, as ``persistent_load`` slices them: a storage viewing the buffer."""
         start, stop = span.start, span.stop
         if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= self.length):
             raise ValueError(
@@ -175,7 +175,7 @@ def zero_copy_supported() -> bool:
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
         return False  # elsewhere MADV_DONTNEED may keep the pages: released would be kept
     if sys.byteorder != "little":
-        return False  # torch.load byte-swaps little-endian tensors into copies
+        return False  # there torch.load byte-swaps a little-endian file's tensors into copies
     serialization = torch.serialization
     needed = [
         (serialization, "_open_zipfile_reader"),
