@@ -148,8 +148,8 @@ def _assert_same(ours: object, theirs: object) -> None:
 
 @needs_zero_copy
 def test_the_viewing_load_gives_what_torch_load_gives(tmp_path):
-    """Every dtype, an empty tensor, a strided view, two tensors on one storage and a sparse
-    tensor load as torch.load loads them, and each storage is one view of the buffer."""
+    """Six dtypes, an empty tensor, a transposed view and a row sharing its storage, and a
+    sparse tensor load as torch.load loads them; each storage is one view of the buffer."""
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     payload = {
         "format_version": 7,
