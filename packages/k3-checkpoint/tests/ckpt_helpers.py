@@ -40,6 +40,30 @@ def write_enveloped(payload: object, path: Path, format_version: int = 7) -> byt
     return data
 
 
+def assert_same_payload(ours: Any, theirs: Any) -> None:
+    """Two loads of one payload agree: the same types and values, and tensors with the same
+    dtype, shape, layout, strides and storage offset."""
+    assert type(ours) is type(theirs)
+    if isinstance(ours, dict):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert_same_payload(ours[key], theirs[key])
+    elif isinstance(ours, (list, tuple)):
+        assert len(ours) == len(theirs)
+        for mine, other in zip(ours, theirs):
+            assert_same_payload(mine, other)
+    elif isinstance(ours, torch.Tensor):
+        assert (ours.dtype, ours.shape, ours.layout) == (theirs.dtype, theirs.shape, theirs.layout)
+        if ours.layout == torch.strided:
+            assert ours.stride() == theirs.stride()
+            assert ours.storage_offset() == theirs.storage_offset()
+            assert torch.equal(ours, theirs)
+        else:
+            assert torch.equal(ours.to_dense(), theirs.to_dense())
+    else:
+        assert ours == theirs
+
+
 class Cursor:
     """A stand-in for TokenDataLoader: an offset into an immutable stream named by its digest."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import write_enveloped
+from ckpt_helpers import assert_same_payload, write_enveloped
 from torch import nn
 
 from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
@@ -128,24 +128,6 @@ def test_release_frees_what_was_copied_and_keeps_what_was_kept(tmp_path, monkeyp
         assert torch.equal(mine, theirs)
 
 
-def _assert_same(ours: object, theirs: object) -> None:
-    assert type(ours) is type(theirs)
-    if isinstance(ours, dict):
-        assert ours.keys() == theirs.keys()  # type: ignore[attr-defined]
-        for key in ours:
-            _assert_same(ours[key], theirs[key])  # type: ignore[index]
-    elif isinstance(ours, torch.Tensor):
-        assert (ours.dtype, ours.shape, ours.layout) == (theirs.dtype, theirs.shape, theirs.layout)
-        if ours.layout == torch.strided:
-            assert ours.stride() == theirs.stride()
-            assert ours.storage_offset() == theirs.storage_offset()
-            assert torch.equal(ours, theirs)
-        else:
-            assert torch.equal(ours.to_dense(), theirs.to_dense())
-    else:
-        assert ours == theirs
-
-
 @needs_zero_copy
 def test_the_viewing_load_gives_what_torch_load_gives(tmp_path):
     """Six dtypes, an empty tensor, a transposed view and a row sharing its storage, and a
@@ -168,7 +150,7 @@ def test_the_viewing_load_gives_what_torch_load_gives(tmp_path):
     path = tmp_path / "ckpt.k3"
     body = write_enveloped(payload, path)
     ours, _, buffer = read_verified(path)
-    _assert_same(ours, torch.load(io.BytesIO(body), weights_only=True))
+    assert_same_payload(ours, torch.load(io.BytesIO(body), weights_only=True))
     for name in ("base", "transposed", "row"):
         assert _inside(ours[name], buffer), name
     shared = {ours[name].untyped_storage().data_ptr() for name in ("base", "transposed", "row")}

@@ -19,7 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import eventually, fingerprint, make_run, write_enveloped
+from ckpt_helpers import (
+    assert_same_payload,
+    eventually,
+    fingerprint,
+    make_run,
+    write_enveloped,
+)
 
 from k3_checkpoint import (
     CheckpointError,
@@ -420,21 +426,18 @@ def test_plain_data_that_contains_itself_is_refused_by_name(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.k3"]
 
 
-def _pickle_opcodes(raw: bytes) -> set[str]:
-    """The opcode names of a checkpoint's pickle (the zip member ``*/data.pkl``)."""
+def _pickle_ops(raw: bytes) -> list[tuple[str, object]]:
+    """The opcodes (name, argument) of a checkpoint's pickle (the zip member ``*/data.pkl``)."""
     with zipfile.ZipFile(io.BytesIO(raw[HEADER_SIZE:])) as archive:
         (member,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-        return {opcode.name for opcode, _, _ in pickletools.genops(archive.read(member))}
+        return [(op.name, argument) for op, argument, _ in pickletools.genops(archive.read(member))]
 
 
 def test_tensors_are_written_without_torchs_empty_hook_dicts(checkpoint_bytes):
     """torch writes an empty OrderedDict per tensor for the hooks it never saves (a GLOBAL and
     a call for the weights-only unpickler to check); the payload writes None instead, so every
     tensor loads without hooks, as a new tensor has, in torch.load and this package alike."""
-    with zipfile.ZipFile(io.BytesIO(checkpoint_bytes[HEADER_SIZE:])) as archive:
-        (member,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-        pickled = archive.read(member)
-    names = [argument for op, argument, _ in pickletools.genops(pickled) if op.name == "GLOBAL"]
+    names = [argument for name, argument in _pickle_ops(checkpoint_bytes) if name == "GLOBAL"]
     theirs = torch.load(io.BytesIO(checkpoint_bytes[HEADER_SIZE:]), weights_only=True)
     tensors = [value for value in _flat(theirs).values() if isinstance(value, torch.Tensor)]
     assert len(tensors) > 5 and all(tensor._backward_hooks is None for tensor in tensors)
@@ -456,21 +459,15 @@ def _ordered_dicts(value: object) -> int:
 def test_the_payload_pickle_has_no_memo_and_still_loads_in_torch(tmp_path, checkpoint_bytes):
     """The memo opcodes are what torch's weights-only unpickler tests for last; a tree needs
     none. The payload stays an ordinary pickle: torch.load reads it to the same values."""
-    opcodes = _pickle_opcodes(checkpoint_bytes)
+    opcodes = {name for name, _ in _pickle_ops(checkpoint_bytes)}
     assert "REDUCE" in opcodes and "BINPERSID" in opcodes  # tensors were written
     assert not opcodes & {"BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET"}
     path = tmp_path / "ckpt.k3"
     path.write_bytes(checkpoint_bytes)
     ours = read_payload(path)
-    theirs = torch.load(io.BytesIO(checkpoint_bytes[HEADER_SIZE:]), weights_only=True)
-    assert theirs.keys() == ours.keys()
-    flat_ours, flat_theirs = _flat(ours), _flat(theirs)
-    assert flat_ours.keys() == flat_theirs.keys()
-    for key, value in flat_ours.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, flat_theirs[key]), key
-        else:
-            assert value == flat_theirs[key], key
+    assert_same_payload(
+        ours, torch.load(io.BytesIO(checkpoint_bytes[HEADER_SIZE:]), weights_only=True)
+    )
 
 
 def _flat(value: object, prefix: str = "") -> dict[str, object]:
