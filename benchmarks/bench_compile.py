@@ -2,8 +2,8 @@
 
 Run: ``hatch run bench:compile`` (``--quick`` for a smoke run). For each preset two
 identical models, MuonAdamW optimizers and batches; one has its blocks compiled the way
-``train(config.compile=True)`` does (``k3_trainer.compiling.prepare_model``). A training
-step is forward + backward + optimizer step + zero_grad. Compilation happens during the
+``Trainer.fit()`` does with ``compile=True`` (``k3_trainer.compiling.prepare_model``).
+A training step is forward + backward + optimizer step + zero_grad. Compilation happens during the
 untimed warmup steps and is reported separately; the timed steps alternate eager and
 compiled so machine noise hits both alike.
 """

@@ -41,8 +41,8 @@ from pathlib import Path
 
 from common import print_table, write_json
 from k3_trainer import prepare_dataset
-from k3_trainer.prepare import builtin_corpus, default_workers
-from k3_trainer.tokenizer import HFCodec, train_bpe
+from k3_trainer.data.prepare import builtin_corpus, default_workers
+from k3_trainer.data.tokenizer import HFCodec, train_bpe
 
 TARGET = 0.8
 # VmHWM, not ru_maxrss, for the main process: Linux carries the pre-exec high-water mark

@@ -11,7 +11,7 @@ lose whole time slices to other processes.
 Each round launches the one-process candidates in a fresh process, then both 2-rank
 candidates in one fresh pair of processes (DDP, then FSDP2), so rounds interleave the
 candidates. A candidate's figure is the median over rounds of its per-round median step
-time, the time between consecutive ``train()`` updates (warm-up steps dropped; no log,
+time, the time between consecutive ``Trainer.fit()`` updates (warm-up steps dropped; no log,
 eval or checkpoint inside the timed steps).
 """
 
@@ -34,14 +34,15 @@ import torch.multiprocessing as mp
 from common import print_table, write_json
 from k3_model import K3Model, preset
 from k3_trainer import (
+    Callback,
     MetricsLog,
     TokenDataLoader,
     TrainConfig,
+    Trainer,
     build_optimizer,
     prepare_dataset,
-    train,
 )
-from k3_trainer.distributed import Parallel, init_parallel, set_balancer_gather, shutdown
+from k3_trainer.distributed import Parallel, init_parallel, shutdown
 
 SINGLE = ("1 process × 2 threads", "1 process × 1 thread")
 RANKED = ("2 ranks DDP × 1 thread", "2 ranks FSDP2 × 1 thread")
@@ -57,6 +58,16 @@ def _settings(quick: bool) -> dict[str, Any]:
     return {"model": {}, "batch": 16, "seq_len": 128, "warmup": 2, "steps": 8}
 
 
+class _Stamps(Callback):
+    """The time of every successful update."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+        self.stamps.append(time.perf_counter())
+
+
 def _step_seconds(data: Path, settings: dict[str, Any], parallel: Parallel | None) -> list[float]:
     """Train a fresh model for warm-up + timed steps; the timed steps' durations."""
     world = parallel.world_size if parallel is not None else 1
@@ -69,15 +80,16 @@ def _step_seconds(data: Path, settings: dict[str, Any], parallel: Parallel | Non
     torch.manual_seed(config.seed)
     model = K3Model(preset("tiny", **settings["model"]))
     if parallel is not None:
+        model.set_balancer_gather(parallel.gather_rows)  # as the trainer's runner does
         parallel.wrap(model)
     optimizer = build_optimizer(model, config,
                                 distributed=True if parallel and parallel.mode == "ddp" else None)
     loaders = [TokenDataLoader(data, split, config.batch_size, config.seq_len, rank=rank,
                                world_size=world) for split in ("train", "val")]
-    stamps: list[float] = []
-    train(model, optimizer, *loaders, config, torch.device("cpu"), log=MetricsLog(None),
-          parallel=parallel, on_update=lambda state, stats: stamps.append(time.perf_counter()))
-    return [b - a for a, b in itertools.pairwise(stamps)][settings["warmup"] - 1:]
+    stamps = _Stamps()
+    Trainer(model, optimizer, loaders, config, parallel=parallel,
+            callbacks=[MetricsLog(None), stamps]).fit()
+    return [b - a for a, b in itertools.pairwise(stamps.stamps)][settings["warmup"] - 1:]
 
 
 def _single_worker(index: int, data: str, settings: dict[str, Any], out: str) -> None:
@@ -100,9 +112,7 @@ def _ranked_worker(rank: int, world: int, port: int, data: str, settings: dict[s
     for name, mode in zip(RANKED, ("ddp", "fsdp")):
         parallel, _ = init_parallel(mode, torch.device("cpu"))
         assert parallel is not None
-        set_balancer_gather(parallel.gather_rows)  # as the trainer's runner does
         seconds[name] = _step_seconds(Path(data), settings, parallel)
-        set_balancer_gather(None)
     if rank == 0:
         Path(out).write_text(json.dumps(seconds))
     shutdown(parallel)

@@ -1,9 +1,10 @@
-"""Trainer overhead: ``train()`` per step vs a bare hand-written loop, same model/optimizer/data.
+"""Trainer overhead: ``Trainer.fit()`` per step vs a bare hand-written loop, same
+model/optimizer/data.
 
 Run: ``hatch run bench:trainer`` (``--quick`` for a smoke run). Each candidate owns an
 identical model (tiny preset), MuonAdamW and loader; their steps are interleaved one by
 one (trainer, bare, bare+QK-Clip, trainer, ...) so machine noise hits all alike.
-``train()`` runs with log/eval/checkpoint intervals beyond the run, as the target asks.
+``Trainer.fit()`` runs with log/eval/checkpoint intervals beyond the run, as the target asks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import itertools
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,16 +22,19 @@ from common import Timing, print_table, write_json
 from k3_model import K3Model, preset
 from k3_qkclip import QKClip
 from k3_trainer import (
+    Callback,
     MetricsLog,
     TokenDataLoader,
     TrainConfig,
+    Trainer,
     TrainState,
     build_optimizer,
     learning_rate_at_step,
     prepare_dataset,
-    train,
 )
-from k3_trainer.checkpointing import qk_clip_policy
+from k3_trainer.checkpoint import qk_clip_policy
+
+FIT = "Trainer.fit()"
 
 
 def _setup(config: TrainConfig, data: Path):
@@ -37,6 +42,16 @@ def _setup(config: TrainConfig, data: Path):
     model = K3Model(preset("tiny"))
     return model, build_optimizer(model, config), TokenDataLoader(
         data, "train", config.batch_size, config.seq_len)
+
+
+class _OnStep(Callback):
+    """Calls ``hook(state, stats)`` after every successful update."""
+
+    def __init__(self, hook: Callable[[TrainState, dict[str, float]], None]) -> None:
+        self.hook = hook
+
+    def on_step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+        self.hook(trainer.state, stats)
 
 
 def main() -> None:
@@ -55,7 +70,6 @@ def main() -> None:
     trainer = _setup(config, data)
     bare = _setup(config, data)
     bare_qk = _setup(config, data)
-    state = TrainState()
     val = TokenDataLoader(data, "val", config.batch_size, config.seq_len)
 
     def bare_loop(parts, steps: int, step0: list[int], qk: QKClip | None) -> None:
@@ -78,19 +92,19 @@ def main() -> None:
                 qk.apply()
             opt.zero_grad(set_to_none=True)
 
-    # One train() run; after each of its updates, on_update runs one bare step and one
+    # One Trainer.fit() run; after each of its updates, a callback runs one bare step and one
     # bare+QK-Clip step. The trainer's step time is the gap between callbacks, so the three
     # loops interleave step by step and the final step's eval/log is never timed.
     counters = {"bare": [0], "bare_qk": [0]}
     timings = {name: Timing(name) for name in
-               ("train()", "bare loop", "bare loop + QK-Clip")}
+               (FIT, "bare loop", "bare loop + QK-Clip")}
     last_end = [0.0]
 
     with QKClip(bare_qk[0], qk_clip_policy(config)) as qk:
         def interleave(state: TrainState, stats: dict) -> None:
             now = time.perf_counter()
             if state.step > warmup:
-                timings["train()"].seconds.append(now - last_end[0])
+                timings[FIT].seconds.append(now - last_end[0])
             for name, parts, key, clip in (("bare loop", bare, "bare", None),
                                            ("bare loop + QK-Clip", bare_qk, "bare_qk", qk)):
                 start = time.perf_counter()
@@ -101,8 +115,8 @@ def main() -> None:
 
         model, opt, loader = trainer
         last_end[0] = time.perf_counter()
-        train(model, opt, loader, val, config, "cpu", state=state, log=MetricsLog(None),
-              on_update=interleave)
+        Trainer(model, opt, (loader, val), config,
+                callbacks=[MetricsLog(None), _OnStep(interleave)]).fit()
     base = timings["bare loop"].median
     rows = [[t.name, f"{t.median * 1e3:.1f}", t.spread(), f"{t.median / base:.3f}"]
             for t in timings.values()]
@@ -116,24 +130,29 @@ def main() -> None:
 
 def bench_diagnostics(config: TrainConfig, data: Path, val: TokenDataLoader,
                       chunks: int, chunk: int = 10) -> dict[str, float]:
-    """train() with diagnostics (MoE routing stats, window QK summary) on vs off, in
-    alternating chunks; per-step gaps between on_update calls, first gap of a chunk and
-    the chunk's closing eval/log excluded (the profiler window is never on here)."""
+    """Trainer.fit() with diagnostics (MoE routing stats, window QK summary) on vs off, in
+    alternating chunks; per-step gaps between on_step_end calls, first gap of a chunk and
+    the chunk's closing eval/log excluded (the profiler window is never on here). Each
+    chunk is a new Trainer that continues the counters of the previous one."""
     runs = {True: (_setup(config, data), TrainState()), False: (_setup(config, data),
                                                                  TrainState())}
     timings = {True: Timing("diagnostics on"), False: Timing("diagnostics off")}
     for index in range(chunks + 1):  # chunk 0 warms up
         for flag, ((model, opt, loader), state) in runs.items():
             marks: list[float] = []
-            train(model, opt, loader, val, config.replace(max_steps=state.step + chunk,
-                                                          eval_batches=1),
-                  "cpu", state=state, log=MetricsLog(None), diagnostics=flag,
-                  on_update=lambda s, stats, marks=marks: marks.append(time.perf_counter()))
+            trainer = Trainer(
+                model, opt, (loader, val),
+                config.replace(max_steps=state.step + chunk, eval_batches=1),
+                callbacks=[MetricsLog(None), _OnStep(
+                    lambda s, stats, marks=marks: marks.append(time.perf_counter()))])
+            trainer.diagnostics = flag
+            trainer.state.load_state_dict(state.state_dict())  # continue the counters
+            state.load_state_dict(trainer.fit().state_dict())
             if index:
                 timings[flag].seconds.extend(b - a for a, b in itertools.pairwise(marks))
     on, off = timings[True], timings[False]
     print_table(f"Diagnostics overhead, tiny preset, {chunks} alternating chunks of {chunk}",
-                ["train()", "median ms/step", "min–max", "× off"],
+                [FIT, "median ms/step", "min–max", "× off"],
                 [[t.name, f"{t.median * 1e3:.1f}", t.spread(), f"{t.median / off.median:.3f}"]
                  for t in (off, on)])
     return {"on_median_s": on.median, "off_median_s": off.median,

@@ -37,7 +37,7 @@ import torch
 from k3_optim import MuonAdamW, newton_schulz
 
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, from the vendors' data sheets; a copy
-# of k3_trainer.window.PEAK_TFLOPS["bf16"], so this script runs with only k3-optim.
+# of k3_trainer.observe.window.PEAK_TFLOPS["bf16"], so this script runs with only k3-optim.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                     "A10G": 70.0, "RTX 4090": 165.0}
 SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "train")

@@ -1,5 +1,5 @@
 """One rank of a data-parallel test run (``torchrun ... dist_worker.py``), or one process
-(``--parallel none``): trains the small model through ``k3_trainer.train`` and saves what
+(``--parallel none``): trains the small model through ``k3_trainer.Trainer`` and saves what
 the tests compare to ``OUT/rank{R}.pt``: the logged events, the full (unsharded) weights
 and buffers, the balancer biases, and (``--reject-on-rank``) what a refused resume did.
 
@@ -20,9 +20,8 @@ from harness import SMALL_MODEL, digest, seed_all, train_config
 
 import k3_checkpoint
 from k3_model import K3Model
-from k3_trainer import FP16SkipHarness, MetricsLog, TokenDataLoader, build_optimizer, train
-from k3_trainer.checkpointing import resume_checkpoint
-from k3_trainer.distributed import init_parallel, set_balancer_gather, shutdown
+from k3_trainer import FP16SkipHarness, MetricsLog, TokenDataLoader, Trainer, build_optimizer
+from k3_trainer.distributed import init_parallel, shutdown
 
 
 def local(value: object) -> object:
@@ -74,51 +73,49 @@ def main() -> int:
     parser.add_argument("--overflow-on-rank", type=int)
     args = parser.parse_args()
 
-    parallel, device = init_parallel(args.parallel, torch.device("cpu"))
+    parallel, _ = init_parallel(args.parallel, torch.device("cpu"))
     rank = parallel.rank if parallel is not None else 0
     world = parallel.world_size if parallel is not None else 1
     config = train_config(batch_size=args.batch_size, max_steps=args.steps,
                           decay_steps=args.steps, checkpoint_interval=args.steps,
                           eval_interval=3, qk_clip_tau=args.qk_clip_tau)
-    if parallel is not None:
-        set_balancer_gather(parallel.gather_rows)
     seed_all(config.seed)
     model = K3Model(SMALL_MODEL)
     if parallel is not None:
+        model.set_balancer_gather(parallel.gather_rows)
         parallel.wrap(model)
     optimizer = build_optimizer(model, config, distributed=True if args.parallel == "ddp"
                                 else None)
     loaders = [TokenDataLoader(args.data, split, config.batch_size, config.seq_len,
                                rank=rank, world_size=world) for split in ("train", "val")]
     result: dict = {}
-    state = None
+    log = MetricsLog(None)
+    scaler = None
+    if args.overflow_on_rank is not None:
+        scaler = OverflowOnOneRank(2 if rank == args.overflow_on_rank else 0)
+    run_config = config
+    if args.resume is not None and args.reject_on_rank == rank:
+        # this rank's run differs from the checkpoint
+        run_config = train_config(**{**config.to_dict(), "peak_lr": 1e-4})
+    trainer = Trainer(model, optimizer, loaders, run_config, parallel=parallel,
+                      checkpoint_path=args.checkpoint, callbacks=[log], grad_scaler=scaler)
     if args.resume is not None:
-        resume_config = config
-        if args.reject_on_rank == rank:  # this rank's run differs from the checkpoint
-            resume_config = train_config(**{**config.to_dict(), "peak_lr": 1e-4})
         before = digest(full_state(model)), digest(local(optimizer.state_dict()))
         try:
-            state = resume_checkpoint(args.resume, model, optimizer, resume_config, *loaders,
-                                      parallel=parallel).state
+            trainer.resume(args.resume)
         except k3_checkpoint.CheckpointError as exc:
             result["refused"] = str(exc)
             result["unchanged"] = before == (digest(full_state(model)),
                                              digest(local(optimizer.state_dict())))
             result["cursors"] = [loader.offset for loader in loaders]
     if "refused" not in result:
-        log = MetricsLog(None)
-        scaler = None
-        if args.overflow_on_rank is not None:
-            scaler = OverflowOnOneRank(2 if rank == args.overflow_on_rank else 0)
-        train(model, optimizer, *loaders, config, device, state=state, log=log,
-              checkpoint_path=args.checkpoint, parallel=parallel, grad_scaler=scaler)
+        trainer.fit()
         result["events"] = [{k: v for k, v in e.items() if k != "time"} for e in log.events]
     result["weights"] = full_state(model)
     result["biases"] = {name: buf.clone() for name, buf in model.named_buffers()
                         if name.endswith("balancer.bias")}
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{rank}.pt")
-    set_balancer_gather(None)
     shutdown(parallel)
     return 0
 

@@ -28,8 +28,8 @@ from harness import (
 
 import k3_checkpoint
 from k3_checkpoint import read_payload
-from k3_trainer import TrainState, save_checkpoint, train
-from k3_trainer.checkpointing import CheckpointWriteError
+from k3_trainer import Trainer, TrainState
+from k3_trainer.checkpoint import CheckpointWriteError
 from k3_trainer.cli import main
 
 FLAGS = ["--checkpoint-interval", "1", "--warmup-steps", "1", "--decay-steps", "6"]
@@ -114,11 +114,12 @@ def test_library_save_reports_the_oserror_and_keeps_the_previous_file(tmp_path, 
                                                                        monkeypatch):
     config = train_config(max_steps=2, checkpoint_interval=100)
     model, opt, tl, vl = build(config, data_dir)
-    state = train(model, opt, tl, vl, config, "cpu", checkpoint_path=tmp_path / "ck.pt")
+    trainer = Trainer(model, opt, (tl, vl), config, checkpoint_path=tmp_path / "ck.pt")
+    state = trainer.fit()
     before = (tmp_path / "ck.pt").read_bytes()
     _disk_full_at(monkeypatch, 1, like_torch=True)
     with pytest.raises(CheckpointWriteError) as failed:
-        save_checkpoint(tmp_path / "ck.pt", model, opt, state, config, tl, vl)
+        trainer.checkpointer.save(tmp_path / "ck.pt", step=state.step)
     assert isinstance(failed.value, OSError) and failed.value.errno == errno.ENOSPC
     assert "\n" not in str(failed.value) and "unchanged" in str(failed.value)
     assert (tmp_path / "ck.pt").read_bytes() == before

@@ -33,7 +33,7 @@ from test_distributed_training import (
 )
 
 from k3_checkpoint import read_payload
-from k3_trainer.checkpointing import find_checkpoint
+from k3_trainer.checkpoint import find_checkpoint
 
 pytestmark = [distributed, needs_torchrun]
 INTERVAL = 2  # checkpoints at steps 2, 4, 6

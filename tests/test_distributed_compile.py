@@ -83,7 +83,8 @@ def test_compiled_ranks_follow_eager_ranks(parallel, checkpointing, eager, confi
 
 def test_preparing_twice_keeps_the_first_compiled_call():
     """A session may prepare the model before wrapping it (AC, compile, then shard) and
-    ``train()`` prepares it again: the blocks keep their compiled call (nothing runs here)."""
+    ``Trainer.fit()`` prepares it again: the blocks keep their compiled call (nothing runs
+    here)."""
     model = K3Model(SMALL_MODEL)
     config = train_config(compile=True, activation_checkpointing="block")
     prepare_model(model, config)

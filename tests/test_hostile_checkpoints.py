@@ -35,7 +35,7 @@ from harness import (
 
 from k3_checkpoint import CheckpointError, read_payload
 from k3_model import K3Config
-from k3_trainer import TrainConfig, load_checkpoint, prepare_dataset
+from k3_trainer import TrainConfig, Trainer, prepare_dataset
 from k3_trainer.cli import main
 
 
@@ -233,14 +233,14 @@ def test_library_load_refuses_without_mutation(base, tmp_path, case):
     before = fingerprint(model, optimizer, [train_loader, val_loader])
     match = CASES[case][1]
     if match is None:
-        state = load_checkpoint(run / "checkpoint.pt", model, optimizer, config, train_loader,
-                                val_loader)
-        assert state.step == 2
+        trainer = Trainer(model, optimizer, (train_loader, val_loader), config)
+        trainer.resume(run / "checkpoint.pt")
+        assert trainer.state.step == 2
         assert fingerprint(model, optimizer, [train_loader, val_loader]) != before
         return
     with pytest.raises(CheckpointError) as refused:
-        load_checkpoint(run / "checkpoint.pt", model, optimizer, config, train_loader,
-                        val_loader)
+        Trainer(model, optimizer, (train_loader, val_loader), config).resume(
+            run / "checkpoint.pt")
     assert match in str(refused.value) and "\n" not in str(refused.value)
     assert not base.marker.exists(), "a pickle ran code"
     assert fingerprint(model, optimizer, [train_loader, val_loader]) == before
@@ -275,8 +275,8 @@ def test_a_different_thread_count_is_refused(base, tmp_path):
     torch.set_num_threads(threads + 1)
     try:
         with pytest.raises(CheckpointError, match=r"runtime\.num_threads"):
-            load_checkpoint(run / "checkpoint.pt", model, optimizer, config, train_loader,
-                            val_loader)
+            Trainer(model, optimizer, (train_loader, val_loader), config).resume(
+                run / "checkpoint.pt")
     finally:
         torch.set_num_threads(threads)
     assert fingerprint(model, optimizer, [train_loader, val_loader]) == before_fp

@@ -21,7 +21,7 @@ from harness import SMALL_TRAIN, toml_text, tree_bytes
 from k3_checkpoint import read_payload
 from k3_trainer import ConfigError, DataError, TokenDataLoader, TrainConfig, prepare_dataset
 from k3_trainer.cli import main
-from k3_trainer.metrics import read_events
+from k3_trainer.observe.metrics import read_events
 
 
 def _cli(argv, capsys) -> tuple[int, list[str]]:

@@ -18,7 +18,7 @@ from harness import Inject, assert_bitwise_equal, build, train_config
 
 from k3_checkpoint import read_payload
 from k3_model import K3Model
-from k3_trainer import FP16SkipHarness, TrainState, load_checkpoint, read_events, train
+from k3_trainer import FP16SkipHarness, Trainer, read_events
 from k3_trainer import runner as k3_runner
 from k3_trainer.cli import main
 
@@ -31,7 +31,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 def _clean_run(config, data_dir, steps):
     """The same run without the fault, stopped after ``steps`` updates."""
     model, opt, tl, vl = build(config, data_dir)
-    train(model, opt, tl, vl, config.replace(max_steps=steps), "cpu")
+    Trainer(model, opt, (tl, vl), config.replace(max_steps=steps)).fit()
     return model, opt
 
 
@@ -85,17 +85,19 @@ def test_nan_loss_stops_the_cli_in_one_line_and_the_last_checkpoint_resumes(
 def test_nan_loss_names_its_step_and_leaves_a_loadable_checkpoint(tmp_path, data_dir):
     config = train_config(max_steps=6, checkpoint_interval=1)
     model, opt, tl, vl = build(config, data_dir)
-    state = TrainState()
+    trainer = Trainer(Inject(model, calls={5}, kind="nan_loss"), opt, (tl, vl), config,
+                      checkpoint_path=tmp_path / "ck.pt")
+    state = trainer.state
     with pytest.raises(FloatingPointError, match=r"Non-finite training loss at step 5$"):
-        train(Inject(model, calls={5}, kind="nan_loss"), opt, tl, vl, config, "cpu",
-              state=state, checkpoint_path=tmp_path / "ck.pt")
+        trainer.fit()
     assert state.step == 4
     clean_model, clean_opt = _clean_run(config, data_dir, 4)
     _assert_same_update_state(model, opt, clean_model, clean_opt)  # step 5 changed nothing
 
     fresh_model, fresh_opt, ftl, fvl = build(config, data_dir, seed=99)
-    restored = load_checkpoint(tmp_path / "ck.pt", Inject(fresh_model), fresh_opt, config,
-                               ftl, fvl)
+    restoring = Trainer(Inject(fresh_model), fresh_opt, (ftl, fvl), config)
+    restoring.resume(tmp_path / "ck.pt")
+    restored = restoring.state
     assert restored.step == 4 and ftl.offset == 4 * config.tokens_per_update
     _assert_same_update_state(fresh_model, fresh_opt, clean_model, clean_opt)
 
@@ -105,10 +107,11 @@ def test_non_finite_qk_observation_is_refused_before_any_weight_changes(kind, tm
                                                                          data_dir):
     config = train_config(max_steps=6, checkpoint_interval=1, qk_clip_tau=0.01)
     model, opt, tl, vl = build(config, data_dir)
-    state = TrainState()
+    trainer = Trainer(Inject(model, calls={3}, kind=kind), opt, (tl, vl), config,
+                      checkpoint_path=tmp_path / "ck.pt")
+    state = trainer.state
     with pytest.raises(FloatingPointError, match="QK-Clip: non-finite max pre-softmax logit"):
-        train(Inject(model, calls={3}, kind=kind), opt, tl, vl, config, "cpu", state=state,
-              checkpoint_path=tmp_path / "ck.pt")
+        trainer.fit()
     assert state.step == 2
     clean_model, clean_opt = _clean_run(config, data_dir, 2)
     # Weights and optimizer state are exactly those after update 2: neither the optimizer
@@ -125,10 +128,11 @@ def _scaler() -> torch.amp.GradScaler:
 def test_32_consecutive_skips_raise_and_keep_the_last_checkpoint(tmp_path, data_dir):
     config = train_config(max_steps=6, checkpoint_interval=1)
     model, opt, tl, vl = build(config, data_dir)
-    state = TrainState()
+    trainer = Trainer(Inject(model, calls=set(range(3, 200))), opt, (tl, vl), config,
+                      grad_scaler=_scaler(), checkpoint_path=tmp_path / "ck.pt")
+    state = trainer.state
     with pytest.raises(FloatingPointError, match="32 consecutive FP16 overflows at step 3"):
-        train(Inject(model, calls=set(range(3, 200))), opt, tl, vl, config, "cpu",
-              state=state, grad_scaler=_scaler(), checkpoint_path=tmp_path / "ck.pt")
+        trainer.fit()
     assert (state.step, state.skipped_updates) == (2, 32)
     assert state.tokens_seen == (2 + 32) * config.tokens_per_update
     clean_model, clean_opt = _clean_run(config, data_dir, 2)
@@ -141,8 +145,8 @@ def test_32_consecutive_skips_raise_and_keep_the_last_checkpoint(tmp_path, data_
 def test_31_consecutive_skips_recover(data_dir):
     config = train_config(max_steps=4, checkpoint_interval=100)
     model, opt, tl, vl = build(config, data_dir)
-    state = train(Inject(model, calls=set(range(3, 34))), opt, tl, vl, config, "cpu",
-                  grad_scaler=_scaler())
+    state = Trainer(Inject(model, calls=set(range(3, 34))), opt, (tl, vl), config,
+                    grad_scaler=_scaler()).fit()
     assert (state.step, state.skipped_updates) == (4, 31)
     assert state.grad_scaler_state is not None
     assert state.grad_scaler_state["scale"] == 2.0**10 / 2**31

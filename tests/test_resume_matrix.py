@@ -6,7 +6,7 @@ The CLI rows run every resumed session as ``python -m k3_trainer.cli train --res
 fresh interpreter, exactly as a user would after a crash; the continuous run and the first
 session run the same ``main`` in the test process (so the comparison is also across
 processes). The two rows the CLI cannot express on a CPU (an FP16-style skipped update, a
-model that draws from every global RNG) run ``train()`` in process with the same
+model that draws from every global RNG) run ``Trainer.fit()`` in process with the same
 checkpoint files in between.
 """
 
@@ -28,7 +28,7 @@ from harness import (
 )
 
 from k3_checkpoint import capture_rng, read_payload
-from k3_trainer import FP16SkipHarness, TrainState, load_checkpoint, read_events, train
+from k3_trainer import FP16SkipHarness, Trainer, TrainState, read_events
 from k3_trainer.cli import main
 
 # name: (extra flags for every run, total steps, interruption points, config-file options)
@@ -185,26 +185,28 @@ def test_fp16_style_skip_in_the_middle_resumes_bitwise(tmp_path, data_dir):
     config = train_config(max_steps=6, checkpoint_interval=100, warmup_steps=2, decay_steps=6)
     model, opt, tl, vl = build(config, data_dir)
     wrapped = Inject(model, calls={3, 7})
-    state_a = train(wrapped, opt, tl, vl, config, "cpu", grad_scaler=_scaler(),
-                    checkpoint_path=tmp_path / "a.pt")
+    state_a = Trainer(wrapped, opt, (tl, vl), config, grad_scaler=_scaler(),
+                      checkpoint_path=tmp_path / "a.pt").fit()
     assert (state_a.step, state_a.skipped_updates) == (6, 2)
     assert state_a.tokens_seen == 8 * config.tokens_per_update
 
     first = config.replace(max_steps=4)
     model, opt, tl, vl = build(first, data_dir)
-    state = train(Inject(model, calls={3}), opt, tl, vl, first, "cpu", grad_scaler=_scaler(),
-                  checkpoint_path=tmp_path / "b.pt")
+    state = Trainer(Inject(model, calls={3}), opt, (tl, vl), first, grad_scaler=_scaler(),
+                    checkpoint_path=tmp_path / "b.pt").fit()
     assert (state.step, state.skipped_updates) == (4, 1)
     saved_scale = read_payload(tmp_path / "b.pt")["grad_scaler"]["scale"]
 
     model, opt, tl, vl = build(config, data_dir, seed=77)
     wrapped_b = Inject(model, calls={2})  # the continuous run's attempt 7
-    state_b = load_checkpoint(tmp_path / "b.pt", wrapped_b, opt, config, tl, vl)
+    fresh = _scaler(init_scale=2.0**16)  # fit() must overwrite it from the checkpoint
+    trainer = Trainer(wrapped_b, opt, (tl, vl), config, grad_scaler=fresh,
+                      checkpoint_path=tmp_path / "b.pt")
+    trainer.resume(tmp_path / "b.pt")
+    state_b = trainer.state
     assert state_b.grad_scaler_state is not None and state_b.grad_scaler_state["scale"] == (
         saved_scale)
-    fresh = _scaler(init_scale=2.0**16)  # train() must overwrite it from the checkpoint
-    state_b = train(wrapped_b, opt, tl, vl, config, "cpu", state=state_b, grad_scaler=fresh,
-                    checkpoint_path=tmp_path / "b.pt")
+    state_b = trainer.fit()
 
     assert (state_b.step, state_b.skipped_updates, state_b.tokens_seen) == (
         state_a.step, state_a.skipped_updates, state_a.tokens_seen)
@@ -217,20 +219,23 @@ def test_rng_drawing_model_resumes_bitwise(tmp_path, data_dir):
     generators: only an exact RNG restore continues the same trajectory."""
     config = train_config(max_steps=6, checkpoint_interval=100, warmup_steps=1, decay_steps=6)
     model, opt, tl, vl = build(config, data_dir)
-    train(Inject(model, noise=True), opt, tl, vl, config, "cpu",
-          checkpoint_path=tmp_path / "a.pt")
+    Trainer(Inject(model, noise=True), opt, (tl, vl), config,
+            checkpoint_path=tmp_path / "a.pt").fit()
     rng_a = capture_rng()
 
     first = config.replace(max_steps=3)
     model, opt, tl, vl = build(first, data_dir)
-    train(Inject(model, noise=True), opt, tl, vl, first, "cpu", checkpoint_path=tmp_path / "b.pt")
+    Trainer(Inject(model, noise=True), opt, (tl, vl), first,
+            checkpoint_path=tmp_path / "b.pt").fit()
     shutil.copy(tmp_path / "b.pt", tmp_path / "step3.pt")
     model, opt, tl, vl = build(config, data_dir, seed=31337)  # a different process's RNG
     torch.rand(7)
     wrapped = Inject(model, noise=True)
-    state = load_checkpoint(tmp_path / "b.pt", wrapped, opt, config, tl, vl)
+    trainer = Trainer(wrapped, opt, (tl, vl), config, checkpoint_path=tmp_path / "b.pt")
+    trainer.resume(tmp_path / "b.pt")
+    state = trainer.state
     assert isinstance(state, TrainState) and state.step == 3
-    train(wrapped, opt, tl, vl, config, "cpu", state=state, checkpoint_path=tmp_path / "b.pt")
+    trainer.fit()
 
     assert_bitwise_equal(read_payload(tmp_path / "a.pt"), read_payload(tmp_path / "b.pt"))
     assert_bitwise_equal(rng_a, capture_rng(), "rng after training")
@@ -239,9 +244,10 @@ def test_rng_drawing_model_resumes_bitwise(tmp_path, data_dir):
     # comparison above can fail.
     model, opt, tl, vl = build(config, data_dir, seed=31337)
     wrapped = Inject(model, noise=True)
-    state = load_checkpoint(tmp_path / "step3.pt", wrapped, opt, config, tl, vl)
+    trainer = Trainer(wrapped, opt, (tl, vl), config, checkpoint_path=tmp_path / "c.pt")
+    trainer.resume(tmp_path / "step3.pt")
     seed_all(5)
-    train(wrapped, opt, tl, vl, config, "cpu", state=state, checkpoint_path=tmp_path / "c.pt")
+    trainer.fit()
     with pytest.raises(AssertionError):
         assert_bitwise_equal(read_payload(tmp_path / "a.pt")["model"],
                              read_payload(tmp_path / "c.pt")["model"])

@@ -15,7 +15,7 @@ from harness import tree_bytes
 
 from k3_checkpoint import read_payload
 from k3_trainer.cli import main
-from k3_trainer.metrics import read_events
+from k3_trainer.observe.metrics import read_events
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import fnmatch
 import math
 
 import pytest
@@ -132,28 +131,24 @@ def test_state_dict_holds_weights_and_balancer_buffers_but_not_rope_tables(make_
     assert not any(k.startswith("layers.0.mlp.balancer") for k in keys)  # layer 0 is dense
 
 
-def test_moe_layers_and_muon_per_head_describe_the_model(make_model):
+def test_moe_layers_and_muon_heads_describe_the_model(make_model):
     model = make_model("gqa", n_layers=3)
     assert list(model.moe_layers()) == ["layers.1.mlp", "layers.2.mlp"]
-    assert model.muon_per_head() == {
-        f"*layers.{i}.attn.{w}.weight": h
-        for i in range(3) for w, h in (("q_proj", 4), ("k_proj", 2), ("v_proj", 2))
-    }
+    assert [layer.attn.muon_heads() for layer in model.layers] == [
+        {"q_proj.weight": 4, "k_proj.weight": 2, "v_proj.weight": 2}] * 3
     mla = make_model("mla_qlora")
-    assert mla.muon_per_head() == {f"*layers.{i}.attn.{w}.weight": 4
-                                   for i in range(2) for w in ("q_up", "kv_up")}
+    assert [layer.attn.muon_heads() for layer in mla.layers] == [
+        {"q_up.weight": 4, "kv_up.weight": 4}] * 2
     hybrid = make_model("hybrid", kda_heads=2)  # KDA and MLA head counts differ
-    assert hybrid.muon_per_head() == {
-        "*layers.0.attn.q_proj.weight": 2, "*layers.0.attn.k_proj.weight": 2,
-        "*layers.0.attn.v_proj.weight": 2,
-        "*layers.1.attn.q_proj.weight": 4, "*layers.1.attn.kv_up.weight": 4,
-    }
+    assert [layer.attn.muon_heads() for layer in hybrid.layers] == [
+        {"q_proj.weight": 2, "k_proj.weight": 2, "v_proj.weight": 2},
+        {"q_proj.weight": 4, "kv_up.weight": 4},
+    ]
     for m in (mla, hybrid):
-        names = dict(m.named_parameters())
-        for pattern, heads in m.muon_per_head().items():
-            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-            assert len(matched) == 1, pattern
-            assert names[matched[0]].shape[0] % heads == 0
+        for layer in m.layers:
+            weights = dict(layer.attn.named_parameters())
+            for name, heads in layer.attn.muon_heads().items():
+                assert weights[name].shape[0] % heads == 0, name
 
 
 def test_hybrid_layout_puts_gated_nope_mla_every_fourth_and_last_layer(make_model):

@@ -74,6 +74,59 @@ def test_balancer_updates_on_training_forwards_only(make_model, make_tokens):
     assert not torch.equal(after["bias"], before["bias"])
 
 
+def _balancers(model):
+    return [m for m in model.modules() if isinstance(m, QuantileBalancer)]
+
+
+def test_balancer_gather_is_per_model_and_feeds_the_update(make_model, make_tokens):
+    """``set_balancer_gather`` reaches every balancer of one model and no other's: the
+    fake gather (this rank's rows twice, as if a second rank had the same tokens) doubles
+    the load the update counts, while the other model still counts only its own tokens."""
+    calls: list[tuple[int, ...]] = []
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(t.shape))
+        return torch.cat([t, t])
+
+    gathered, alone = make_model(n_layers=3).train(), make_model(n_layers=3).train()
+    gathered.set_balancer_gather(gather)
+    assert all(b.token_gather is gather for b in _balancers(gathered))
+    assert all(b.token_gather is None for b in _balancers(alone))
+    assert not any("gather" in key for key in gathered.state_dict())
+    gathered(make_tokens())
+    alone(make_tokens())
+    tokens = 2 * 16
+    assert sorted(calls) == sorted([(tokens, 4), (tokens,), (tokens, 2)] * 2)  # 2 MoE layers
+    for with_gather, without in zip(_balancers(gathered), _balancers(alone), strict=True):
+        assert without.load.sum().item() == tokens * 2  # tokens × top-k
+        assert torch.equal(with_gather.load, 2 * without.load)
+    gathered.eval()
+    with torch.no_grad():
+        gathered(make_tokens())  # no update, so no gather
+    assert len(calls) == 6
+    gathered.train()
+    gathered.set_balancer_gather(None)
+    gathered(make_tokens())
+    assert len(calls) == 6
+    assert all(b.load.sum().item() == tokens * 2 for b in _balancers(gathered))
+
+
+def test_balancer_gather_set_after_a_compiled_call_is_used(make_model, make_tokens):
+    """The gather is read inside the traced block forward: setting it after the block was
+    compiled takes effect (dynamo guards on it and retraces)."""
+    model = make_model("gqa").train()
+    model.layers[1].compile(backend="eager", dynamic=False)
+    balancer = model.layers[1].mlp.balancer
+    model(make_tokens())
+    assert balancer.load.sum().item() == 64
+    model.set_balancer_gather(lambda t: torch.cat([t, t]))
+    model(make_tokens())
+    assert balancer.load.sum().item() == 128
+    model.set_balancer_gather(None)
+    model(make_tokens())
+    assert balancer.load.sum().item() == 64
+
+
 def test_balancer_off_keeps_zero_bias_but_records_load(make_model, make_tokens):
     model = make_model(moe_balance=False).train()
     model(make_tokens())

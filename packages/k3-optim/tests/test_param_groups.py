@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -146,3 +147,25 @@ def test_check_parameter_groups_finds_missing_duplicated_and_foreign_parameters(
         check_parameter_groups(model, stranger)
     with pytest.raises(ValueError, match="use_muon"):
         check_parameter_groups(model, [{"params": list(model.parameters())}])
+
+
+def test_check_parameter_groups_refuses_param_names_that_name_other_parameters():
+    model = TinyLM(tied=False)
+    groups = build_parameter_groups(model)
+    index = next(i for i, g in enumerate(groups) if len(g["params"]) >= 2)
+    names = groups[index]["param_names"]
+    swapped = [dict(g) for g in groups]  # same params, same count, two names swapped
+    swapped[index] = {**swapped[index], "param_names": [names[1], names[0], *names[2:]]}
+    with pytest.raises(ValueError, match=re.escape(
+            f"param_names[0] is '{names[1]}', but that parameter is the model's '{names[0]}'")):
+        check_parameter_groups(model, swapped)
+    other = next(n for g in groups if g is not groups[index] for n in g["param_names"])
+    renamed = [dict(g) for g in groups]  # a name of another group's parameter
+    renamed[index] = {**renamed[index], "param_names": [*names[:-1], other]}
+    with pytest.raises(ValueError, match=re.escape(
+            f"is '{other}', but that parameter is the model's '{names[-1]}'")):
+        check_parameter_groups(model, renamed)
+    shorter = [dict(g) for g in groups]  # a count mismatch is still refused
+    shorter[index] = {**shorter[index], "param_names": names[1:]}
+    with pytest.raises(ValueError, match="param_names"):
+        check_parameter_groups(model, shorter)

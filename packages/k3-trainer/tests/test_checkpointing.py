@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import SMALL_MODEL, build, fingerprint, train_config
+from trainer_helpers import SMALL_MODEL, build, fingerprint, fit, resume, train_config
 
 from k3_checkpoint import CheckpointError, read_payload
 from k3_checkpoint.payload import write_payload
-from k3_trainer import (
-    MetricsLog,
-    TokenDataLoader,
-    TrainState,
-    evaluate,
-    load_checkpoint,
-    prepare_dataset,
-    save_checkpoint,
-    train,
-)
-from k3_trainer.checkpointing import resume_checkpoint
+from k3_trainer import MetricsLog, TokenDataLoader, Trainer, evaluate, prepare_dataset
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +17,7 @@ def saved(data_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("ck") / "checkpoint.pt"
     config = train_config(max_steps=3, checkpoint_interval=3)
     model, opt, tl, vl = build(config, data_dir)
-    train(model, opt, tl, vl, config, "cpu", checkpoint_path=path)
+    fit(model, opt, (tl, vl), config, checkpoint_path=path)
     return path
 
 
@@ -57,7 +47,7 @@ def test_incompatible_train_config_is_rejected_without_mutation(saved, data_dir,
     model, opt, tl, vl = _moved(config, data_dir)
     before = fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=match):
-        load_checkpoint(saved, model, opt, config, tl, vl)
+        resume(saved, model, opt, (tl, vl), config)
     assert fingerprint(model, opt, [tl, vl]) == before
 
 
@@ -67,7 +57,7 @@ def test_other_model_and_other_data_are_rejected_without_mutation(saved, data_di
     model, opt, tl, vl = _moved(config, data_dir, other_model)
     before = fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match="model_config"):
-        load_checkpoint(saved, model, opt, config, tl, vl)
+        resume(saved, model, opt, (tl, vl), config)
     assert fingerprint(model, opt, [tl, vl]) == before
 
     text = tmp_path / "other.txt"
@@ -76,7 +66,7 @@ def test_other_model_and_other_data_are_rejected_without_mutation(saved, data_di
     model, opt, tl, vl = _moved(config, data_dir, data=tmp_path / "other")
     before = fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=r"manifest|loader"):
-        load_checkpoint(saved, model, opt, config, tl, vl)
+        resume(saved, model, opt, (tl, vl), config)
     assert fingerprint(model, opt, [tl, vl]) == before
 
 
@@ -84,12 +74,28 @@ def test_intervals_may_change_and_max_steps_may_grow(saved, data_dir):
     config = train_config(max_steps=8, log_interval=1, eval_interval=7, checkpoint_interval=5,
                           eval_batches=1, decay_steps=3)
     model, opt, tl, vl = build(config, data_dir)
-    state = load_checkpoint(saved, model, opt, config, tl, vl)
-    assert state.step == 3 and tl.offset == 3 * config.batch_size * config.seq_len
+    trainer = resume(saved, model, opt, (tl, vl), config)
+    assert trainer.state.step == 3 and tl.offset == 3 * config.batch_size * config.seq_len
     log = MetricsLog(None)
-    state = train(model, opt, tl, vl, config, "cpu", state=state, log=log)
-    assert state.step == 8
+    trainer.callbacks.extend([log])
+    assert trainer.fit().step == 8
     assert [e["step"] for e in log.events if e["event"] == "train"] == [4, 5, 6, 7, 8]
+
+
+def test_max_steps_may_be_lowered_down_to_the_saved_step(saved, data_dir, tmp_path):
+    """The spec's rule: a resume's max_steps must be at least the checkpoint's step; it
+    may be lower than the saved run's own max_steps (a run planned for 8 stops at 4)."""
+    planned = _forged(saved, tmp_path, lambda p: p["train_config"].update(max_steps=8))
+    for max_steps in (4, 3):
+        config = train_config(max_steps=max_steps, decay_steps=3)
+        model, opt, tl, vl = build(config, data_dir)
+        assert resume(planned, model, opt, (tl, vl), config).state.step == 3
+    config = train_config(max_steps=2, decay_steps=3)
+    model, opt, tl, vl = _moved(config, data_dir)
+    before = fingerprint(model, opt, [tl, vl])
+    with pytest.raises(CheckpointError, match=r"max_steps 2 is smaller than .*counters\.step 3"):
+        resume(planned, model, opt, (tl, vl), config)
+    assert fingerprint(model, opt, [tl, vl]) == before
 
 
 def test_save_refuses_live_gradients(data_dir, tmp_path):
@@ -98,7 +104,7 @@ def test_save_refuses_live_gradients(data_dir, tmp_path):
     x, y = tl.next_batch()
     model(x, targets=y)[1].backward()
     with pytest.raises(CheckpointError, match="zero_grad"):
-        save_checkpoint(tmp_path / "ck.pt", model, opt, TrainState(), config, tl, vl)
+        Trainer(model, opt, (tl, vl), config).checkpointer.save(tmp_path / "ck.pt", step=0)
     assert not (tmp_path / "ck.pt").exists() and not (tmp_path / "ck.pt.tmp").exists()
 
 
@@ -139,8 +145,13 @@ def test_swapped_loaders_are_refused_without_mutation(saved, data_dir, tmp_path)
     model, opt, tl, vl = _moved(config, data_dir)
     before = fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=r"loaders\.train refused.*belongs to split 'val'"):
-        load_checkpoint(_forged(saved, tmp_path, swap), model, opt, config, tl, vl)
+        resume(_forged(saved, tmp_path, swap), model, opt, (tl, vl), config)
     assert fingerprint(model, opt, [tl, vl]) == before
+
+
+def _scaler_state(**changes):
+    state = torch.amp.GradScaler("cpu", enabled=True).state_dict()
+    return {**state, **changes}
 
 
 def _set_counter(**values):
@@ -159,30 +170,44 @@ def _set_counter(**values):
     (_set_counter(skipped_updates=1.5), r"non-negative integers: skipped_updates=1\.5"),
     (_set_counter(fixed_batch_offset="0"), r"non-negative integers: fixed_batch_offset='0'"),
     (lambda p: p.update(grad_scaler=[1.0]), r"grad_scaler must be a mapping or None, got list"),
+    (lambda p: p.update(grad_scaler={"scale": "x"}), r"grad_scaler must hold exactly"),
+    (lambda p: p.update(grad_scaler=_scaler_state(scale="x")), r"malformed: scale='x'"),
+    (lambda p: p.update(grad_scaler=_scaler_state(scale=float("inf"))), r"scale=inf"),
+    (lambda p: p.update(grad_scaler=_scaler_state(backoff_factor=2.0)), r"backoff_factor=2\.0"),
+    (lambda p: p.update(grad_scaler=_scaler_state(_growth_tracker=-1)), r"_growth_tracker=-1"),
 ], ids=["no-counters", "none", "list", "no-step", "str-step", "bool-step", "no-tokens",
-        "negative", "float", "str-offset", "scaler-list"])
+        "negative", "float", "str-offset", "scaler-list", "scaler-keys", "scaler-str-scale",
+        "scaler-inf-scale", "scaler-backoff", "scaler-tracker"])
 def test_malformed_counters_are_refused_by_name_without_mutation(saved, data_dir, tmp_path,
                                                                  change, match):
     config = train_config(max_steps=6, decay_steps=3)
     model, opt, tl, vl = _moved(config, data_dir)
     before = fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=match) as refused:
-        load_checkpoint(_forged(saved, tmp_path, change), model, opt, config, tl, vl)
+        resume(_forged(saved, tmp_path, change), model, opt, (tl, vl), config)
     assert "\n" not in str(refused.value)
     assert fingerprint(model, opt, [tl, vl]) == before
 
 
-def test_fixed_batch_offset_must_name_a_complete_batch(saved, data_dir, tmp_path):
+@pytest.mark.parametrize("past_last", [0, 1])
+def test_fixed_batch_offset_must_name_a_complete_batch(saved, data_dir, tmp_path, past_last):
+    """The last complete batch starts at num_tokens - tokens_per_batch - 1 (its targets
+    need one token more): that offset is taken, the next one is refused."""
     config = train_config(max_steps=6, decay_steps=3, overfit_batch=True)
     model, opt, tl, vl = _moved(config, data_dir)
-    before = fingerprint(model, opt, [tl, vl])
-    def past_the_data(payload):
+    last = tl.num_tokens - tl.tokens_per_batch - 1
+    tl.batch_at(last)  # a complete batch
+    def at_offset(payload):
         payload["train_config"]["overfit_batch"] = True
-        payload["counters"]["fixed_batch_offset"] = tl.num_tokens
+        payload["counters"]["fixed_batch_offset"] = last + past_last
 
-    forged = _forged(saved, tmp_path, past_the_data)
+    forged = _forged(saved, tmp_path, at_offset)
+    if not past_last:
+        assert resume(forged, model, opt, (tl, vl), config).state.fixed_batch_offset == last
+        return
+    before = fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match="does not name a complete batch"):
-        load_checkpoint(forged, model, opt, config, tl, vl)
+        resume(forged, model, opt, (tl, vl), config)
     assert fingerprint(model, opt, [tl, vl]) == before
 
 
@@ -195,24 +220,27 @@ def test_runtime_change_is_refused_unless_allowed_and_then_reported(saved, data_
     model, opt, tl, vl = _moved(config, data_dir)
     before = fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=r"runtime\.num_threads: checkpoint 97"):
-        load_checkpoint(forged, model, opt, config, tl, vl)
+        resume(forged, model, opt, (tl, vl), config)
     assert fingerprint(model, opt, [tl, vl]) == before
 
-    resumed = resume_checkpoint(forged, model, opt, config, tl, vl, allow_runtime_change=True)
-    assert resumed.state.step == 3
+    trainer = Trainer(model, opt, (tl, vl), config)
+    resumed = trainer.resume(forged, allow_runtime_change=True)
+    assert trainer.state.step == 3
     assert resumed.runtime_changes == {
         "runtime.num_threads": (97, torch.get_num_threads()),
         "runtime.torch_version": ("2.0.0", str(torch.__version__)),
     }
-    assert resume_checkpoint(saved, model, opt, config, tl, vl,
-                             allow_runtime_change=True).runtime_changes == {}
+    assert trainer.resume(saved, allow_runtime_change=True).runtime_changes == {}
 
 
-def test_allowing_runtime_change_keeps_the_run_settings_strict(saved, data_dir, tmp_path):
+@pytest.mark.parametrize("setting", ["deterministic_algorithms", "cudnn_deterministic",
+                                     "cudnn_benchmark", "float32_matmul_precision"])
+def test_allowing_runtime_change_keeps_the_run_settings_strict(saved, data_dir, tmp_path,
+                                                               setting):
     """Determinism and dtype are choices of the run, not of the machine."""
-    forged = _forged(saved, tmp_path,
-                     lambda p: p["runtime"].update(deterministic_algorithms=True))
+    value = "medium" if setting == "float32_matmul_precision" else True
+    forged = _forged(saved, tmp_path, lambda p: p["runtime"].update({setting: value}))
     config = train_config(max_steps=6, decay_steps=3)
     model, opt, tl, vl = _moved(config, data_dir)
-    with pytest.raises(CheckpointError, match=r"runtime\.deterministic_algorithms"):
-        load_checkpoint(forged, model, opt, config, tl, vl, allow_runtime_change=True)
+    with pytest.raises(CheckpointError, match=rf"runtime\.{setting}"):
+        resume(forged, model, opt, (tl, vl), config, allow_runtime_change=True)

@@ -12,7 +12,7 @@ from trainer_helpers import small_toml
 
 from k3_checkpoint import read_payload
 from k3_trainer.cli import main
-from k3_trainer.metrics import read_events
+from k3_trainer.observe.metrics import read_events
 
 CONFIG = small_toml(train=dict(batch_size=4, seq_len=16, log_interval=2, eval_interval=3,
                                 eval_batches=2, warmup_steps=1, decay_steps=6))

@@ -12,7 +12,7 @@ import torch
 from trainer_helpers import build, train_config
 
 from k3_model import preset
-from k3_trainer import ConfigError, FP16SkipHarness, MetricsLog, train
+from k3_trainer import ConfigError, FP16SkipHarness, MetricsLog, Trainer
 from k3_trainer.compiling import compiled_regions, prepare_model
 
 # Two layers (KDA + dense MLP, Gated MLA + LatentMoE): every kind of block, compiled once.
@@ -24,8 +24,8 @@ def _session(data_dir, *, compile: bool):
                           seq_len=32, compile=compile, qk_clip_tau=0.05)
     model, opt, tl, vl = build(config, data_dir, TINY)
     log = MetricsLog(None)
-    state = train(model, opt, tl, vl, config, "cpu", log=log,
-                  grad_scaler=FP16SkipHarness(init_scale=2.0**10))
+    state = Trainer(model, opt, (tl, vl), config, callbacks=[log],
+                    grad_scaler=FP16SkipHarness(init_scale=2.0**10)).fit()
     return model, state, log
 
 

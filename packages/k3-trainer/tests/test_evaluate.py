@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3_trainer import DataExhausted, evaluate
+from k3_trainer.evaluate import evaluate_split
 
 
 class ListLoader:
@@ -44,10 +45,11 @@ class Bigram(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
+def _batches(masks: tuple[int, ...] = (0, 5, 9), seed: int = 1
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
     out = []
-    for masked in (0, 5, 9):  # three batches of 2x6 targets with 0, 5 and 9 of them masked
+    for masked in masks:  # batches of 2x6 targets, the first ``masked`` of each not scored
         x = torch.randint(0, 11, (2, 6), generator=g)
         y = torch.randint(0, 11, (2, 6), generator=g)
         y.view(-1)[:masked] = -100
@@ -66,6 +68,51 @@ def test_the_mean_is_over_scored_tokens_not_over_batches():
     assert per_token.numel() == 12 + 7 + 3
     assert loss == pytest.approx(per_token.mean().item(), rel=1e-6)
     assert abs(loss - sum(batch_means) / 3) > 1e-3  # the unweighted mean is a different number
+
+
+class ByteListLoader(ListLoader):
+    """A ListLoader with a bytes-per-token table, as a TokenDataLoader over a prepared split."""
+
+    token_bytes = np.arange(1, 12)  # token t stands for t + 1 UTF-8 bytes
+
+
+def _scored_losses(model: nn.Module, batches) -> tuple[torch.Tensor, list[float]]:
+    """Every scored target's loss, and each batch's own mean loss."""
+    with torch.no_grad():
+        per_token = torch.cat([
+            F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), reduction="none")
+            [y.view(-1) >= 0] for x, y in batches])
+        return per_token, [float(model(x, y)[1]) for x, y in batches]
+
+
+def test_evaluate_split_weights_by_scored_tokens_on_one_rank_and_across_ranks():
+    """Batches (and ranks) with different numbers of scored targets: the loss is the mean
+    over those targets, not the mean of the batch (or rank) means, and the token and byte
+    counts are of exactly the scored targets."""
+    model = Bigram()
+    ranks = [_batches(), _batches((11, 2, 9), seed=2)]  # 12+7+3 and 1+10+3 scored targets
+    alone = [evaluate_split(model, ByteListLoader(b), "cpu", max_batches=3) for b in ranks]
+    for batches, result in zip(ranks, alone):
+        per_token, batch_means = _scored_losses(model, batches)
+        scored = torch.cat([y[y >= 0] for _, y in batches])
+        assert result.tokens == per_token.numel() == scored.numel()
+        assert result.bytes == int((scored + 1).sum())
+        assert result.loss == pytest.approx(per_token.mean().item(), rel=1e-6)
+        assert abs(result.loss - sum(batch_means) / len(batch_means)) > 1e-3
+    assert [r.tokens for r in alone] == [22, 14]
+
+    def all_reduce(sums: torch.Tensor) -> None:  # rank 0's view: add rank 1's sums
+        other = alone[1]
+        sums += torch.tensor([other.loss * other.tokens, other.tokens, other.bytes],
+                             dtype=sums.dtype)
+
+    both = evaluate_split(model, ByteListLoader(ranks[0]), "cpu", max_batches=3,
+                          all_reduce=all_reduce)
+    per_token, batch_means = _scored_losses(model, ranks[0] + ranks[1])
+    assert both.tokens == 36 and both.bytes == alone[0].bytes + alone[1].bytes
+    assert both.loss == pytest.approx(per_token.mean().item(), rel=1e-6)
+    assert abs(both.loss - sum(batch_means) / 6) > 1e-3
+    assert abs(both.loss - (alone[0].loss + alone[1].loss) / 2) > 1e-3  # not a mean of ranks
 
 
 def test_a_batch_with_every_target_masked_adds_nothing():

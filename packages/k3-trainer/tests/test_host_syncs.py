@@ -19,7 +19,7 @@ import torch
 from trainer_helpers import build, train_config
 
 from k3_model import preset
-from k3_trainer import FP16SkipHarness, train
+from k3_trainer import Callback, FP16SkipHarness, Trainer
 
 # Every Tensor method that copies a value to the host (and so waits for the device).
 _READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -70,16 +70,17 @@ def test_one_update_reads_the_host_at_most_accumulation_plus_two_times(
     # mode), so reading it never waits for a GPU: on this CPU-only test it is excluded.
     adam_steps: set[int] = set()
 
-    def on_update(state, stats) -> None:
-        per_update.append(len(calls))
-        adam_steps.update(id(s["step"]) for s in opt.state.values()
-                          if isinstance(s.get("step"), torch.Tensor) and s["step"].ndim == 0)
+    class CountPerUpdate(Callback):
+        def on_step_end(self, trainer, stats) -> None:
+            per_update.append(len(calls))
+            adam_steps.update(id(s["step"]) for s in opt.state.values()
+                              if isinstance(s.get("step"), torch.Tensor) and s["step"].ndim == 0)
 
+    trainer = Trainer(model, opt, (tl, vl), config, callbacks=[CountPerUpdate()],
+                      grad_scaler=FP16SkipHarness(init_scale=2.0**8) if scaler else None)
     with counting_host_reads(calls, adam_steps):
-        train(model, opt, tl, vl, config, "cpu",
-              grad_scaler=FP16SkipHarness(init_scale=2.0**8) if scaler else None,
-              on_update=on_update)
-    # Between two on_update calls lies exactly one update; the final step's log, eval
+        trainer.fit()
+    # Between two on_step_end calls lies exactly one update; the final step's log, eval
     # and checkpoint come after the last call and are not counted.
     counts = [b - a for a, b in itertools.pairwise(per_update)]
     assert len(counts) == 5

@@ -7,26 +7,24 @@ import random
 
 import pytest
 import torch
-from trainer_helpers import InjectAt, assert_same_state, build, train_config
+from trainer_helpers import InjectAt, assert_same_state, build, fit, train_config
 
 from k3_trainer import (
     ConfigError,
     FP16SkipHarness,
     MetricsLog,
-    TrainState,
+    Trainer,
     learning_rate_at_step,
-    load_checkpoint,
-    train,
 )
 
 
-def _run(config, data_dir, *, state=None, checkpoint=None, seed=None, resume_from=None):
+def _run(config, data_dir, *, checkpoint=None, seed=None, resume_from=None):
     model, opt, tl, vl = build(config, data_dir, seed=seed)
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model, opt, config, tl, vl)
     log = MetricsLog(None)
-    state = train(model, opt, tl, vl, config, "cpu", state=state, log=log,
-                  checkpoint_path=checkpoint)
+    trainer = Trainer(model, opt, (tl, vl), config, checkpoint_path=checkpoint, callbacks=[log])
+    if resume_from is not None:
+        trainer.resume(resume_from)
+    state = trainer.fit()
     return model, opt, tl, vl, state, log
 
 
@@ -114,7 +112,7 @@ def test_fp16_style_skip_consumes_data_but_not_the_schedule(data_dir):
     opt.register_step_pre_hook(lambda o, *_: lrs.append(o.param_groups[0]["lr"]))
     opt.register_step_post_hook(lambda o, *_: real_steps.append(1))
     log = MetricsLog(None)
-    state = train(wrapped, opt, tl, vl, config, "cpu", log=log, grad_scaler=_scaler())
+    state = fit(wrapped, opt, (tl, vl), config, callbacks=[log], grad_scaler=_scaler()).state
     assert state.step == 5 and state.skipped_updates == 1
     assert state.tokens_seen == 6 * config.tokens_per_update  # the skipped attempt counted
     assert len(real_steps) == 5
@@ -132,10 +130,11 @@ def test_32_consecutive_skips_raise(data_dir):
     weights = [p.detach().clone() for p in model.parameters()]
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("balancer.bias")}
     assert biases
-    state = TrainState()
+    trainer = Trainer(InjectAt(model, calls=set(range(1, 100))), opt, (tl, vl), config,
+                      grad_scaler=_scaler())
+    state = trainer.state
     with pytest.raises(FloatingPointError, match="32 consecutive"):
-        train(InjectAt(model, calls=set(range(1, 100))), opt, tl, vl, config, "cpu",
-              state=state, grad_scaler=_scaler())
+        trainer.fit()
     assert state.step == 0 and state.skipped_updates == 32
     assert len(opt.state) == 0, "a skipped attempt must not create or change optimizer state"
     # Parameters are untouched (no optimizer step, no QK-Clip); the MoE balancer's buffers
@@ -148,10 +147,10 @@ def test_32_consecutive_skips_raise(data_dir):
 def test_nonfinite_loss_raises_before_backward_and_counting(data_dir):
     config = train_config(max_steps=3)
     model, opt, tl, vl = build(config, data_dir)
-    state = TrainState()
+    trainer = Trainer(InjectAt(model, calls={2}, kind="nan_loss"), opt, (tl, vl), config)
+    state = trainer.state
     with pytest.raises(FloatingPointError, match="Non-finite training loss at step 2"):
-        train(InjectAt(model, calls={2}, kind="nan_loss"), opt, tl, vl, config, "cpu",
-              state=state)
+        trainer.fit()
     assert state.step == 1 and state.tokens_seen == config.tokens_per_update
     assert all(p.grad is None for p in model.parameters())
 
@@ -160,23 +159,22 @@ def test_precision_contracts(data_dir):
     config = train_config(precision="fp16")
     model, opt, tl, vl = build(config, data_dir)
     with pytest.raises(ConfigError, match="fp16"):
-        train(model, opt, tl, vl, config, "cpu")
+        Trainer(model, opt, (tl, vl), config)
     # A scaler does not bypass the checks: fp16 stays refused on CPU, even with a harness.
     with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
-        train(model, opt, tl, vl, config, "cpu", grad_scaler=_scaler())
+        Trainer(model, opt, (tl, vl), config, grad_scaler=_scaler())
     for precision in ("fp32", "bf16"):
         plain = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         with pytest.raises(ConfigError, match="loss scaling is for fp16 only"):
-            train(model, opt, tl, vl, train_config(precision=precision), "cpu",
-                  grad_scaler=plain)
+            Trainer(model, opt, (tl, vl), train_config(precision=precision), grad_scaler=plain)
     with pytest.raises(ConfigError, match="loss scaling is for fp16 only"):
-        train(model, opt, tl, vl, train_config(precision="bf16"), "cpu", grad_scaler=_scaler())
+        Trainer(model, opt, (tl, vl), train_config(precision="bf16"), grad_scaler=_scaler())
     assert len(opt.state) == 0 and tl.offset == 0
     bf16 = train_config(precision="bf16")
     model, opt, tl, vl = build(bf16, data_dir)
     model.to(torch.bfloat16)
     with pytest.raises(ConfigError, match="fp32 master"):
-        train(model, opt, tl, vl, bf16, "cpu")
+        Trainer(model, opt, (tl, vl), bf16)
 
 
 def test_bf16_autocast_training_keeps_fp32_masters(data_dir):
@@ -195,7 +193,7 @@ def test_data_with_a_larger_vocabulary_than_the_model_is_refused(data_dir):
     config = train_config(max_steps=1)
     model, opt, tl, vl = build(config, data_dir, SMALL_MODEL.replace(vocab_size=128))
     with pytest.raises(DataError, match=r"vocabulary \(256\) exceeds the model's vocab_size"):
-        train(model, opt, tl, vl, config, "cpu")
+        Trainer(model, opt, (tl, vl), config)
     assert len(opt.state) == 0
 
 
@@ -213,10 +211,10 @@ def test_nonfinite_gradient_with_finite_loss_ends_the_run(data_dir):
     """fp32 has no scaler to skip an overflow: clip_grad_norm_ refuses it, before any step."""
     config = train_config(max_steps=3)
     model, opt, tl, vl = build(config, data_dir)
-    state = TrainState()
+    trainer = Trainer(InjectAt(model, calls={2}), opt, (tl, vl), config)
     with pytest.raises(FloatingPointError, match="Non-finite gradient norm at step 2"):
-        train(InjectAt(model, calls={2}), opt, tl, vl, config, "cpu", state=state)
-    assert state.step == 1
+        trainer.fit()
+    assert trainer.state.step == 1
 
 
 def test_max_grad_norm_zero_disables_clipping(data_dir):
@@ -243,6 +241,6 @@ def test_an_exhausted_training_loader_restarts_from_offset_zero(tmp_path):
     batches = (tl.num_tokens - 1) // tl.tokens_per_batch
     assert 2 <= batches <= 20
     config = config.replace(max_steps=batches + 2, eval_interval=10_000, log_interval=10_000)
-    state = train(model, opt, tl, vl, config, "cpu")
+    state = fit(model, opt, (tl, vl), config).state
     assert state.step == batches + 2
     assert tl.offset == 2 * tl.tokens_per_batch  # two batches read after the reset

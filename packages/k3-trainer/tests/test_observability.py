@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from trainer_helpers import build, train_config
+from trainer_helpers import build, fit, train_config
 
-from k3_trainer import MetricsLog, TrainingProfiler, TrainingWindow, train
+from k3_trainer import MetricsLog, ProfilerWindow, Trainer, TrainingProfiler, TrainingWindow
 from k3_trainer.cli import main
-from k3_trainer.metrics import read_events
+from k3_trainer.observe.metrics import read_events
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -21,7 +21,7 @@ def test_phase_times_add_up_to_the_session_wall_time(data_dir, tmp_path):
     config = train_config(max_steps=6, eval_interval=3, checkpoint_interval=3)
     model, opt, tl, vl = build(config, data_dir)
     log = MetricsLog(None)
-    train(model, opt, tl, vl, config, "cpu", log=log, checkpoint_path=tmp_path / "ck.pt")
+    fit(model, opt, (tl, vl), config, callbacks=[log], checkpoint_path=tmp_path / "ck.pt")
     end = log.events[-1]
     phases = end["phase_s"]
     top_level = sum(v for k, v in phases.items() if k != "train/qk_clip")  # nested in optimizer
@@ -35,9 +35,8 @@ def test_phase_times_add_up_to_the_session_wall_time(data_dir, tmp_path):
 def test_bounded_profiler_window_traces_exactly_the_requested_attempts(data_dir, tmp_path):
     config = train_config(max_steps=6)
     model, opt, tl, vl = build(config, data_dir)
-    profiler = TrainingProfiler("cpu", trace_dir=tmp_path / "profile", trace_start=3,
-                                trace_steps=2)
-    train(model, opt, tl, vl, config, "cpu", profiler=profiler)
+    fit(model, opt, (tl, vl), config,
+        callbacks=[ProfilerWindow(tmp_path / "profile", start=3, steps=2)])
     trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
     steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith(
         "train/attempt#")}
@@ -45,7 +44,7 @@ def test_bounded_profiler_window_traces_exactly_the_requested_attempts(data_dir,
     assert {"train/forward", "train/optimizer"} <= {e.get("name") for e in trace["traceEvents"]}
     assert "aten::" in (tmp_path / "profile" / "top_ops.txt").read_text()
     with pytest.raises(ValueError, match="steps"):
-        TrainingProfiler("cpu", trace_dir=tmp_path, trace_start=1, trace_steps=1000)
+        ProfilerWindow(tmp_path, start=1, steps=1000)
 
 
 def test_window_loss_is_token_weighted():
@@ -65,7 +64,9 @@ def test_diagnostics_are_logged_and_do_not_change_training(data_dir):
     for diagnostics in (True, False):
         model, opt, tl, vl = build(config, data_dir)
         log = MetricsLog(None)
-        train(model, opt, tl, vl, config, "cpu", log=log, diagnostics=diagnostics)
+        trainer = Trainer(model, opt, (tl, vl), config, callbacks=[log])
+        trainer.diagnostics = diagnostics
+        trainer.fit()
         runs[diagnostics] = (model, [e for e in log.events if e["event"] == "train"])
     on, off = runs[True][1], runs[False][1]
     assert "moe_load_cv/layers.1.mlp" in on[0] and "qk_max_logit/layers.0.attn" in on[0]

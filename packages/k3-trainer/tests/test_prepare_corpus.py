@@ -12,9 +12,9 @@ import pytest
 from trainer_helpers import small_toml
 
 from k3_trainer import DataError, TokenDataLoader, prepare_dataset, read_manifest
-from k3_trainer import prepare as prepare_module
 from k3_trainer.cli import main
-from k3_trainer.tokenizer import BytesCodec, HFCodec, load_codec
+from k3_trainer.data import BytesCodec, HFCodec, load_codec
+from k3_trainer.data import prepare as prepare_module
 
 SMALL_RUN = small_toml(model={"vocab_size": 300}, train=dict(
     batch_size=2, seq_len=16, eval_batches=1, warmup_steps=1, decay_steps=4))

@@ -8,7 +8,7 @@ from torch import nn
 from trainer_helpers import small_toml
 
 from k3_trainer.cli import main
-from k3_trainer.sample import sample_tokens
+from k3_trainer.sample import Sampling, sample_tokens
 
 CONFIG = small_toml(model={"max_seq_len": 32}, train=dict(
     batch_size=2, seq_len=16, eval_batches=1, warmup_steps=1, decay_steps=4))
@@ -69,8 +69,8 @@ class Counter(nn.Module):
 
 def test_context_is_truncated_and_sampling_stops_at_the_end_of_document():
     model = Counter()
-    ids = sample_tokens(model, [0], max_new_tokens=10, max_seq_len=3, device="cpu",
-                        temperature=0, stop_id=4)
+    ids = sample_tokens(model, [0], Sampling(10, temperature=0), max_seq_len=3,
+                        device="cpu", stop_id=4)
     assert ids == [1, 2, 3, 4] and model.seen == [1, 2, 3, 3]
-    assert sample_tokens(model, [0], max_new_tokens=3, max_seq_len=3, device="cpu",
-                         temperature=0) == [1, 2, 3]
+    assert sample_tokens(model, [0], Sampling(3, temperature=0), max_seq_len=3,
+                         device="cpu") == [1, 2, 3]

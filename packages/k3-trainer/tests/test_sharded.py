@@ -11,7 +11,7 @@ from torch import nn
 
 import k3_checkpoint
 from k3_checkpoint import CheckpointError, CompatibilityPolicy
-from k3_trainer import sharded
+from k3_trainer.checkpoint import sharded
 
 
 class Counter:
@@ -171,7 +171,7 @@ def test_inspect_describes_the_folder(saved):
 def test_a_run_directory_names_its_newest_checkpoint_in_either_form(saved, tmp_path):
     """Both forms exist only after a crash between publishing one and deleting the other:
     the newer one is the run's checkpoint; a leftover staging folder never is."""
-    from k3_trainer.checkpointing import find_checkpoint
+    from k3_trainer.checkpoint import find_checkpoint
 
     path = saved[0]
     run_dir = path.parent

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from k3_model import K3Config, K3Model
-from k3_trainer import TokenDataLoader, TrainConfig, build_optimizer
+from k3_trainer import TokenDataLoader, TrainConfig, Trainer, build_optimizer
 
 # Small enough for many short runs on 2 CPU cores, but with every mechanism: MLA
 # attention observed by QK-Clip, a dense layer and a quantile-balanced MoE layer.
@@ -54,6 +54,21 @@ def build(config: TrainConfig, data_dir, model_config: K3Config = SMALL_MODEL, s
     train_loader = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len)
     val_loader = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len)
     return model, optimizer, train_loader, val_loader
+
+
+def fit(model: nn.Module, optimizer, loaders, config: TrainConfig, **trainer) -> Trainer:
+    """A ``Trainer`` over these parts (keyword arguments: the Trainer's), trained."""
+    run = Trainer(model, optimizer, loaders, config, **trainer)
+    run.fit()
+    return run
+
+
+def resume(path, model: nn.Module, optimizer, loaders, config: TrainConfig,
+           **options) -> Trainer:
+    """A ``Trainer`` over these parts, restored from the checkpoint at ``path``."""
+    run = Trainer(model, optimizer, loaders, config)
+    run.resume(path, **options)
+    return run
 
 
 def fingerprint(model: nn.Module, optimizer, loaders) -> dict[str, str]:

@@ -63,34 +63,3 @@ class ResidualRead(nn.Module):
                 mixed = mixed + w * s.float()
         return mixed.to(dtype)
 
-
-class ResidualStream:
-    """The block residual state of one forward: committed block sums and the partial."""
-
-    def __init__(self, embedding: Tensor, block_size: int, eps: float):
-        self.block_size, self.eps = block_size, eps
-        self.blocks: list[Tensor] = []
-        self.block_inv_rms: list[Tensor] = []
-        self.partial = embedding
-
-    def read(self, reader: ResidualRead | None) -> Tensor:
-        """The mix ``reader`` sees now (the partial itself while no block is committed)."""
-        if not self.blocks:
-            return self.partial
-        if reader is None:
-            raise ValueError("ResidualStream.read: a read over committed blocks needs a reader")
-        inv_rms = [*self.block_inv_rms, inverse_rms(self.partial, self.eps)]
-        mixed: Tensor = reader([*self.blocks, self.partial], inv_rms)
-        return mixed
-
-    def add_attention(self, layer: int, out: Tensor) -> None:
-        """Add a layer's attention output, first committing the partial at a block start."""
-        if layer % self.block_size == 0:
-            self.blocks.append(self.partial)
-            self.block_inv_rms.append(inverse_rms(self.partial, self.eps))
-            self.partial = out
-        else:
-            self.partial = self.partial + out
-
-    def add(self, out: Tensor) -> None:
-        self.partial = self.partial + out

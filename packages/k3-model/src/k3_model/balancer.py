@@ -23,17 +23,6 @@ from torch import Tensor, nn
 
 from .checkpointing import record_choice, replay_choice, tape_mode
 
-_token_gather: Callable[[Tensor], Tensor] | None = None
-
-
-def set_token_gather(gather: Callable[[Tensor], Tensor] | None) -> None:
-    """Data parallel: ``gather(t)`` returns every rank's rows of ``t`` concatenated in rank
-    order (a trainer sets it; None turns it off). Each balancer update then solves the
-    bias from the whole global batch's tokens, so the biases stay identical on every
-    rank and equal one process's with the same global batch."""
-    global _token_gather
-    _token_gather = gather
-
 
 def expert_counts(flat: Tensor, n_experts: int) -> Tensor:
     """Assignments per expert, ``(E,)`` int64, without a host sync (``bincount`` sizes its
@@ -73,6 +62,12 @@ class QuantileBalancer(nn.Module):
     training forwards seen. With ``enabled=False`` the bias stays zero (plain top-k) while
     ``load`` and ``updates`` still record. ``rate`` in (0, 1] blends the solved bias into
     the old one (``b ← b + rate·(b_new − b)``; 1 replaces it).
+
+    ``token_gather`` (a plain attribute, not state; None by default): under data
+    parallelism, ``token_gather(t)`` returns every rank's rows of ``t`` concatenated in
+    rank order, and each update solves the bias from the whole global batch's tokens, so
+    the biases stay identical on every rank and equal one process's with the same global
+    batch. :meth:`k3_model.K3Model.set_balancer_gather` sets it on every balancer.
     """
 
     bias: Tensor
@@ -89,6 +84,7 @@ class QuantileBalancer(nn.Module):
             raise ValueError(f"QuantileBalancer: rate must be in (0, 1], got {rate}")
         self.n_experts, self.top_k = n_experts, top_k
         self.enabled, self.rate = enabled, rate
+        self.token_gather: Callable[[Tensor], Tensor] | None = None
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
         self.register_buffer("load", torch.zeros(n_experts, dtype=torch.int64))
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
@@ -115,8 +111,9 @@ class QuantileBalancer(nn.Module):
 
     @torch.no_grad()
     def _update(self, scores: Tensor, cutoff: Tensor, chosen: Tensor) -> None:
-        if _token_gather is not None:  # data parallel: every rank's tokens, in rank order
-            scores, cutoff, chosen = (_token_gather(t) for t in (scores, cutoff, chosen))
+        gather = self.token_gather
+        if gather is not None:  # data parallel: every rank's tokens, in rank order
+            scores, cutoff, chosen = (gather(t) for t in (scores, cutoff, chosen))
         self.load.copy_(expert_counts(chosen.reshape(-1), self.n_experts))
         self.updates.add_(1)
         if self.enabled:

@@ -17,6 +17,7 @@ The optimizer routing is declared, not guessed: :meth:`K3Model.parameter_groups`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, overload
 
 import torch
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from .attention import GQAttention, MLAttention, build_attention
 from .attn_res import ResidualRead, inverse_rms
+from .balancer import QuantileBalancer
 from .checkpointing import CheckpointMode, check_mode, checkpointed
 from .config import K3Config
 from .kda import KimiDeltaAttention
@@ -258,6 +260,20 @@ class K3Model(nn.Module):
         """MuonAdamW param groups, routed explicitly by role (see :mod:`k3_model.routing`)."""
         return parameter_groups(self, lr=lr, weight_decay=weight_decay)
 
+    def set_balancer_gather(self, gather: Callable[[Tensor], Tensor] | None) -> None:
+        """Data parallel: ``gather(t)`` returns every rank's rows of ``t`` concatenated in
+        rank order, so each MoE balancer solves its bias from the global batch (identical
+        on every rank, and equal to one process's with that batch); None turns it off.
+
+        Sets :attr:`~k3_model.QuantileBalancer.token_gather` on every balancer of this
+        model (a plain attribute, not in the state dict; other models are unaffected). It
+        is read inside the block's forward, so it also works in compiled blocks (changing
+        it later recompiles them).
+        """
+        for module in self.modules():
+            if isinstance(module, QuantileBalancer):
+                module.token_gather = gather
+
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE layers by module name (``layers.<i>.mlp``), in depth order."""
         return {name: m for name, m in self.named_modules() if isinstance(m, MoE)}
@@ -271,19 +287,3 @@ class K3Model(nn.Module):
         """Each MoE layer's statistics since the last call (layers with none are left out)."""
         found = {name: layer.pop_stats() for name, layer in self.moe_layers().items()}
         return {name: stats for name, stats in found.items() if stats is not None}
-
-    def muon_per_head(self) -> dict[str, int]:
-        """fnmatch pattern → row blocks, for ``build_parameter_groups(per_head=...)``.
-
-        One pattern per layer and weight (KDA and MLA layers may have different head
-        counts): KDA ``q_proj``/``k_proj``/``v_proj``; MLA the query (``q_proj`` or
-        ``q_up``) and ``kv_up``; GQA ``q_proj`` in ``n_heads`` blocks and ``k_proj``/
-        ``v_proj`` in ``n_kv_heads``. Patterns start with ``*`` so they also match under
-        a wrapper's name prefix. :meth:`parameter_groups` already applies them.
-        """
-        patterns: dict[str, int] = {}
-        for index, layer in enumerate(self.layers):
-            assert isinstance(layer, Block)
-            for name, heads in layer.attn.muon_heads().items():
-                patterns[f"*layers.{index}.attn.{name}"] = heads
-        return patterns

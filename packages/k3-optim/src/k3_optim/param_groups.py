@@ -144,7 +144,8 @@ def build_parameter_groups(
 
 def check_parameter_groups(model: nn.Module, groups: Iterable[Mapping[str, Any]]) -> None:
     """Raise ``ValueError`` unless ``groups`` hold every trainable parameter of ``model``
-    exactly once, each with ``use_muon`` and matching ``param_names`` when given.
+    exactly once, each with ``use_muon`` and, when given, ``param_names`` that are the
+    model's ``named_parameters()`` names of the group's params, in order.
 
     What a trainer checks of a model's own declaration before building the optimizer:
     a parameter left out would silently never train.
@@ -164,6 +165,9 @@ def check_parameter_groups(model: nn.Module, groups: Iterable[Mapping[str, Any]]
             if name is None:
                 raise ValueError(f"{label}: parameter {i} is not a trainable parameter of "
                                  "the model")
+            if declared is not None and declared[i] != name:
+                raise ValueError(f"{label}: param_names[{i}] is {declared[i]!r}, but that "
+                                 f"parameter is the model's {name!r}")
             if id(p) in seen:
                 raise ValueError(f"{label}: parameter {name} is also in {seen[id(p)]}")
             seen[id(p)] = label

@@ -1,25 +1,37 @@
-"""k3-trainer: the one-device K3 training runner (loop, data, evaluation, checkpoints, CLI)."""
+"""k3-trainer: the K3 training runner — the ``Trainer`` and its callbacks, data, evaluation,
+checkpoints, observation and the ``k3-train`` command, on one device or many (torchrun)."""
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .checkpointing import (
-    TRAINER_POLICY,
-    CheckpointWriteError,
-    load_checkpoint,
-    save_checkpoint,
+from .callbacks import Callback
+from .checkpoint import TRAINER_POLICY, Checkpointer, CheckpointWriteError, Resumed
+from .config import ConfigError, TrainConfig
+from .contract import K3TrainerModel, ModelContract, TrainableModel, check_model
+from .data import (
+    DataError,
+    DataExhausted,
+    TokenDataLoader,
+    builtin_corpus,
+    prepare_dataset,
+    read_manifest,
 )
-from .config import ConfigError, TrainConfig, TrainState
-from .data import DataError, DataExhausted, TokenDataLoader, read_manifest
-from .diagnostics import MoEDiagnostics
 from .evaluate import EvalResult, evaluate, evaluate_split
-from .loop import train
-from .metrics import MetricsLog, read_events
+from .observe import (
+    MetricsLog,
+    MoEDiagnostics,
+    ProfilerWindow,
+    ProgressBar,
+    Report,
+    TensorBoard,
+    TrainingProfiler,
+    TrainingWindow,
+    read_events,
+)
 from .optim import build_optimizer
 from .precision import FP16SkipHarness, validate_precision
-from .prepare import builtin_corpus, prepare_dataset
-from .profiling import TrainingProfiler
 from .schedule import learning_rate_at_step
-from .window import TrainingWindow
+from .state import TrainState
+from .trainer import Loaders, Trainer
 
 try:
     __version__ = version("k3-trainer")
@@ -28,30 +40,40 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = [
     "TRAINER_POLICY",
+    "Callback",
     "CheckpointWriteError",
+    "Checkpointer",
     "ConfigError",
     "DataError",
     "DataExhausted",
     "EvalResult",
     "FP16SkipHarness",
+    "K3TrainerModel",
+    "Loaders",
     "MetricsLog",
     "MoEDiagnostics",
+    "ModelContract",
+    "ProfilerWindow",
+    "ProgressBar",
+    "Report",
+    "Resumed",
+    "TensorBoard",
     "TokenDataLoader",
     "TrainConfig",
     "TrainState",
+    "TrainableModel",
+    "Trainer",
     "TrainingProfiler",
     "TrainingWindow",
     "__version__",
     "build_optimizer",
     "builtin_corpus",
+    "check_model",
     "evaluate",
     "evaluate_split",
     "learning_rate_at_step",
-    "load_checkpoint",
     "prepare_dataset",
     "read_events",
     "read_manifest",
-    "save_checkpoint",
-    "train",
     "validate_precision",
 ]

@@ -23,10 +23,12 @@ from k3_checkpoint import CheckpointError
 
 from .config import ConfigError, TrainConfig
 from .data import DataError
+from .data.prepare import DEFAULT_SHARD_TOKENS
 from .distributed import MODES, launched_by_torchrun, prog_name, torchrun_command
-from .prepare import DEFAULT_SHARD_TOKENS
 from .runner import (
     RunError,
+    SampleCommand,
+    TrainCommand,
     run_eval,
     run_inspect,
     run_prepare,
@@ -34,6 +36,7 @@ from .runner import (
     run_sample,
     run_train,
 )
+from .sample import Sampling
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -81,7 +84,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="k3-train", description="One-device pretraining of K3-style models.")
+        prog="k3-train",
+        description="Pretraining of Kimi-K3-style models, on one device or many (torchrun).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     prepare = sub.add_parser("prepare", help="tokenize a corpus into a dataset folder")
@@ -232,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                                text_field=args.text_field, eod_token=args.eod_token,
                                workers=args.workers, shard_tokens=args.shard_tokens)
         if args.command == "sample":
-            return run_sample(args.run_dir, prompt=args.prompt,
-                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, seed=args.seed, device=_device(args.device))
+            sampling = Sampling(args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, seed=args.seed)
+            return run_sample(SampleCommand(args.run_dir, sampling, prompt=args.prompt,
+                                            device=_device(args.device)))
         if args.command == "inspect":
             return run_inspect(args.checkpoint)
         if args.command == "report":
@@ -243,13 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_eval(args.run_dir, args.data, args.batches, _device(args.device))
         overrides = {name[4:]: value for name, value in vars(args).items()
                      if name.startswith("cfg_") and value is not None}
-        return run_train(run_dir=args.run_dir, data=args.data, toml=_read_toml(args.config),
-                         resume=args.resume, preset=args.preset, overrides=overrides,
-                         device=_device(args.device), report=args.report,
-                         tensorboard=args.tensorboard, profile_start=args.profile_start,
-                         profile_steps=args.profile_steps,
-                         allow_runtime_change=args.allow_runtime_change,
-                         parallel=args.parallel)
+        return run_train(TrainCommand(
+            args.run_dir, data=args.data, toml=_read_toml(args.config), resume=args.resume,
+            preset=args.preset, overrides=overrides, device=_device(args.device),
+            report=args.report, tensorboard=args.tensorboard,
+            profile_start=args.profile_start, profile_steps=args.profile_steps,
+            allow_runtime_change=args.allow_runtime_change, parallel=args.parallel))
     except (ConfigError, DataError, CheckpointError, RunError, FileNotFoundError) as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)
         return 2

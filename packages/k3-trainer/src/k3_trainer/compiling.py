@@ -30,16 +30,14 @@ from typing import Any
 
 from torch import nn
 
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
+from .contract import read_contract
 
 
 def compiled_regions(model: nn.Module) -> list[nn.Module]:
-    """The modules ``compile`` applies to: each entry of ``model.layers`` when the model
-    has such a list of blocks (k3-model's ``K3Model`` does), else the model itself."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-        return list(layers)
-    return [model]
+    """The modules ``compile`` applies to: the model's blocks (``model.layers`` when the
+    model has such a list, as k3-model's ``K3Model`` does), else the model itself."""
+    return read_contract(model).blocks()
 
 
 def is_compiled(region: nn.Module) -> bool:
@@ -52,21 +50,17 @@ def prepare_model(model: nn.Module, config: TrainConfig) -> None:
 
     Activation checkpointing is the model's own business (only it knows which state a
     recomputation must not touch twice, such as the MoE balancer): a model offers it with
-    ``set_activation_checkpointing(mode)``. Both settings leave the state dict alone.
+    ``set_activation_checkpointing(mode)`` (the model contract). Both settings leave the
+    state dict alone.
 
     Idempotent, so a data-parallel session can prepare the model before wrapping it (the
     recommended order) and ``train()`` can prepare it again: a region compiled already is
     left alone, keeping the compiled call (and its dynamo cache) it was given first.
     """
-    setter = getattr(model, "set_activation_checkpointing", None)
-    if callable(setter):
-        setter(config.activation_checkpointing)
-    elif config.activation_checkpointing != "none":
-        raise ConfigError(
-            f"activation_checkpointing={config.activation_checkpointing!r}: "
-            f"{type(model).__name__} has no set_activation_checkpointing(mode); use 'none'")
+    contract = read_contract(model)
+    contract.set_activation_checkpointing(config.activation_checkpointing)
     if config.compile:
-        for region in compiled_regions(model):
+        for region in contract.blocks():
             if is_compiled(region):
                 continue
             # Static shapes: a run's batches all have one shape, and dynamic-shape

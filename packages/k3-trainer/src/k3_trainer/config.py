@@ -1,10 +1,10 @@
-"""``TrainConfig`` (the recipe, validated) and ``TrainState`` (the persistent counters)."""
+"""``TrainConfig``: the recipe of a training run, as validated plain data."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from k3_optim import COEFFICIENT_SETS, UPDATE_SCALES
@@ -133,30 +133,6 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
-
-
-@dataclass
-class TrainState:
-    """The counters that persist across sessions.
-
-    ``step`` counts successful optimizer updates; ``tokens_seen`` counts every consumed
-    microbatch, including attempts whose update an FP16 overflow later skipped.
-    """
-
-    step: int = 0
-    tokens_seen: int = 0
-    fixed_batch_offset: int | None = None
-    skipped_updates: int = 0
-    grad_scaler_state: dict[str, Any] | None = field(default=None, repr=False)
-
-    def counters(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "skipped_updates": self.skipped_updates,
-            "fixed_batch_offset": self.fixed_batch_offset,
-            "grad_scaler_state": self.grad_scaler_state,
-        }
 
 
 def _int(cfg: TrainConfig, name: str, *, low: int) -> None:

@@ -12,7 +12,6 @@ touches ``torch.distributed``: the one-process path stays exactly as it was.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .config import ConfigError
+from .contract import read_contract
 
 MODES = ("none", "ddp", "fsdp")
 
@@ -77,9 +77,9 @@ class Parallel:
         if self.mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            layers = getattr(model, "layers", None)
-            for block in layers if isinstance(layers, nn.ModuleList) else []:
-                fully_shard(block)
+            for block in read_contract(model).blocks():
+                if block is not model:
+                    fully_shard(block)
             fully_shard(model)
             self.module = model
         else:
@@ -190,13 +190,6 @@ def init_parallel(mode: str, device: torch.device) -> tuple[Parallel | None, tor
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     return Parallel(mode, device), device
-
-
-def set_balancer_gather(gather: Callable[[Tensor], Tensor] | None) -> None:
-    """Point k3-model's QuantileBalancer at the ranks' tokens (None: this process only)."""
-    from k3_model.balancer import set_token_gather
-
-    set_token_gather(gather)
 
 
 def shutdown(parallel: Parallel | None, *, clean: bool = True) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 from k3_optim import MuonAdamW, build_parameter_groups, check_parameter_groups
 
 from .config import TrainConfig
+from .contract import read_contract
 
 logger = logging.getLogger(__name__)
 
@@ -19,32 +20,26 @@ def build_optimizer(model: nn.Module, config: TrainConfig, *,
 
     Every group starts at ``peak_lr``; the loop assigns the scheduled LR to all groups
     before each attempted update (``match_rms_adamw`` makes one LR right for both halves).
-    A model that declares its groups (``parameter_groups(lr=, weight_decay=) -> [dict]``,
-    as ``k3_model.K3Model`` does) is taken at its word, after checking that every
-    trainable parameter is in exactly one group. Any other model gets
-    ``k3_optim.build_parameter_groups``' name/shape guess, which logs what it decided;
-    it may name per-head Q/K/V weights with ``muon_per_head() -> {pattern: heads}``.
+    A model that declares its groups (``parameter_groups(lr=, weight_decay=) -> [dict]``
+    of the model contract, as ``k3_model.K3Model`` does) is taken at its word, after
+    checking that every trainable parameter is in exactly one group. Any other model gets
+    ``k3_optim.build_parameter_groups``' name/shape guess, which logs what it decided (a
+    model that wants per-head Muon declares its groups).
 
     ``distributed`` is MuonAdamW's: None detects FSDP2's DTensor parameters (build the
     optimizer after ``fully_shard``); True for DDP's replicated parameters, so each
     matrix is orthogonalized by one rank instead of by all.
     """
-    declared = getattr(model, "parameter_groups", None)
-    if callable(declared):
-        groups = declared(lr=config.peak_lr, weight_decay=config.weight_decay)
+    groups = read_contract(model).parameter_groups(config.peak_lr, config.weight_decay)
+    if groups is not None:
         check_parameter_groups(model, groups)
     else:
         logger.info(
             "%s declares no parameter_groups(); routing its parameters by name and shape",
             type(model).__name__,
         )
-        per_head_fn = getattr(model, "muon_per_head", None)
-        groups = build_parameter_groups(
-            model,
-            lr=config.peak_lr,
-            weight_decay=config.weight_decay,
-            per_head=per_head_fn() if callable(per_head_fn) else None,
-        )
+        groups = build_parameter_groups(model, lr=config.peak_lr,
+                                        weight_decay=config.weight_decay)
     return MuonAdamW(
         groups,
         lr=config.peak_lr,

@@ -14,7 +14,15 @@ _AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def validate_precision(precision: str, device: torch.device | str) -> None:
-    """Reject unsupported precisions: unknown names, FP16 on CPU, BF16 on CUDA without it."""
+    """Reject unsupported precisions: unknown names, FP16 on CPU, BF16 on a CUDA device
+    without native BF16.
+
+    BF16 is checked on the device the run uses (``cuda:1`` is asked about itself, not the
+    current device; plain ``cuda`` means the current one), and emulated BF16 (what
+    ``torch.cuda.is_bf16_supported()`` accepts by default on pre-Ampere GPUs) is refused.
+    On ROCm torch's own answer stands: it counts every AMD architecture it supports as
+    BF16-capable.
+    """
     device = torch.device(device)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -23,8 +31,20 @@ def validate_precision(precision: str, device: torch.device | str) -> None:
             "precision fp16 needs a CUDA device (CPU autocast does not use fp16 with a "
             "GradScaler); use bf16 or fp32 on CPU"
         )
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("precision bf16 needs native bf16 support on this CUDA device; use fp16")
+    if precision == "bf16" and device.type == "cuda":
+        if device.index is None:  # the current device, which is the one the run uses
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        else:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if device.index >= count:
+                raise ConfigError(f"precision bf16 on {device}: there is no such CUDA device "
+                                  f"({count} visible)")
+            with torch.cuda.device(device.index):  # the question is about the current device
+                native = torch.cuda.is_bf16_supported(including_emulation=False)
+        if not native:
+            raise ConfigError(f"precision bf16 needs native bf16 support on the run's device, "
+                              f"{device}, which has none (emulated bf16 does not count); "
+                              "use fp16")
 
 
 def validate_master_weights(model: nn.Module, precision: str) -> None:

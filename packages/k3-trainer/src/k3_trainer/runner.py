@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,37 +21,33 @@ import k3_checkpoint
 from k3_model import K3Config, K3Model
 from k3_model import preset as model_preset
 
-from .checkpointing import (
+from .checkpoint import (
     CHECKPOINT,
+    READ_ONLY,
     SHARDED_CHECKPOINT,
+    Checkpointer,
     checkpoint_path,
     find_checkpoint,
-    load_checkpoint,
-    resume_checkpoint,
+    run_metadata,
 )
+from .checkpoint.sharded import describe_sharded, is_sharded
 from .compiling import prepare_model
-from .config import ConfigError, TrainConfig, TrainState
-from .data import MANIFEST_FORMAT, TokenDataLoader, check_vocab_fits
-from .distributed import Parallel, init_parallel, set_balancer_gather, shutdown
+from .config import ConfigError, TrainConfig
+from .contract import check_model
+from .data import TokenDataLoader, check_vocab_fits, load_codec
+from .data.loader import MANIFEST_FORMAT
+from .data.prepare import DEFAULT_SHARD_TOKENS, default_workers, describe_prepared, prepare_dataset
+from .distributed import Parallel, init_parallel, shutdown
 from .evaluate import evaluate_split
-from .loop import train
-from .metrics import MetricsLog
+from .observe import MetricsLog, ProfilerWindow, ProgressBar, Report, TensorBoard
+from .observe.report import require_matplotlib, write_report
+from .observe.run import read_run_record, write_run_record
 from .optim import build_optimizer
 from .precision import validate_precision
-from .prepare import (
-    DEFAULT_SHARD_TOKENS,
-    default_workers,
-    describe_prepared,
-    prepare_dataset,
-)
-from .profiling import TrainingProfiler
-from .report import require_matplotlib, write_report
-from .run import read_run_record, write_run_record
-from .sample import sample_text
+from .sample import Sampling, sample_text
 from .schedule import horizon_notes
-from .sharded import describe_sharded, is_sharded
-from .sinks import TensorBoardSink
-from .tokenizer import load_codec
+from .state import TrainState
+from .trainer import Trainer
 
 METRICS = "metrics.jsonl"
 DEFAULT_PRESET = "tiny"
@@ -149,70 +146,99 @@ def run_inspect(checkpoint: Path) -> int:
     return 0
 
 
-class _Session:
-    """Model, optimizer and loaders built from resolved configs (nothing written yet).
+@dataclass(frozen=True)
+class TrainCommand:
+    """``k3-train train``'s arguments, as the command line resolved them."""
+
+    run_dir: Path
+    data: Path | None = None
+    toml: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False
+    preset: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    report: bool = False
+    tensorboard: bool = False
+    profile_start: int | None = None
+    profile_steps: int = 3
+    allow_runtime_change: bool = False
+    parallel: str = "none"
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """A session's configuration, resolved before anything is built or written."""
+
+    config: TrainConfig
+    model_config: K3Config
+    data_dir: Path
+    resume_from: Path | None
+    horizon_unset: bool
+
+
+def _loaders(config: TrainConfig, model_config: K3Config, data_dir: Path,
+             parallel: Parallel | None) -> tuple[TokenDataLoader, TokenDataLoader]:
+    """Both loaders (this rank's rows), checked against the model's vocabulary and length."""
+    rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
+    train = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len,
+                            rank=rank, world_size=world)
+    val = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len,
+                          rank=rank, world_size=world)
+    check_vocab_fits(train, model_config.vocab_size)
+    if config.seq_len > model_config.max_seq_len:
+        raise ConfigError(f"seq_len {config.seq_len} exceeds the model's max_seq_len "
+                          f"{model_config.max_seq_len}")
+    return train, val
+
+
+def build_trainer(resolved: _Resolved, device: torch.device, parallel: Parallel | None,
+                  checkpoint: Path | None) -> Trainer:
+    """Model, optimizer and loaders built from resolved configs, held by a ``Trainer``
+    (nothing written yet).
 
     Data parallel: the loaders read this rank's rows, every rank initializes the same
     model from the seed, which is then sharded or replicated before the optimizer is
     built (FSDP2 parameters become DTensors; DDP asks Muon for one owner per matrix).
     """
-
-    def __init__(self, config: TrainConfig, model_config: K3Config, data_dir: Path,
-                 device: torch.device, parallel: Parallel | None = None) -> None:
-        rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
-        self.train_loader = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len,
-                                            rank=rank, world_size=world)
-        self.val_loader = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len,
-                                          rank=rank, world_size=world)
-        check_vocab_fits(self.train_loader, model_config.vocab_size)
-        if config.seq_len > model_config.max_seq_len:
-            raise ConfigError(f"seq_len {config.seq_len} exceeds the model's max_seq_len "
-                              f"{model_config.max_seq_len}")
-        seed_everything(config.seed)
-        self.model = K3Model(model_config).to(device)
-        if parallel is None:
-            self.optimizer = build_optimizer(self.model, config)
-            return
+    config = resolved.config
+    loaders = _loaders(config, resolved.model_config, resolved.data_dir, parallel)
+    seed_everything(config.seed)
+    model = K3Model(resolved.model_config).to(device)
+    distributed: bool | None = None
+    if parallel is not None:
         # Activation checkpointing and compile before sharding/wrapping (the order PyTorch
-        # recommends); train() finds them applied and leaves them be.
-        prepare_model(self.model, config)
-        parallel.wrap(self.model)
-        self.optimizer = build_optimizer(self.model, config,
-                                         distributed=True if parallel.mode == "ddp" else None)
+        # recommends); fit() finds them applied and leaves them be.
+        prepare_model(model, config)
+        model.set_balancer_gather(parallel.gather_rows)
+        parallel.wrap(model)
+        distributed = True if parallel.mode == "ddp" else None
+    optimizer = build_optimizer(model, config, distributed=distributed)
+    return Trainer(model, optimizer, loaders, config, parallel=parallel,
+                   checkpoint_path=checkpoint)
 
 
-def run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume: bool,
-              preset: str | None, overrides: dict[str, Any], device: torch.device,
-              report: bool = False, tensorboard: bool = False, profile_start: int | None = None,
-              profile_steps: int = 3, allow_runtime_change: bool = False,
-              parallel: str = "none") -> int:
-    """``k3-train train``; ``parallel`` (ddp/fsdp) joins torchrun's process group first."""
-    dp, device = init_parallel(parallel, device)
+def run_train(command: TrainCommand) -> int:
+    """``k3-train train``; ``--parallel`` ddp/fsdp joins torchrun's process group first."""
+    dp, device = init_parallel(command.parallel, command.device)
     clean = False
     try:
-        status = _run_train(run_dir=run_dir, data=data, toml=toml, resume=resume, preset=preset,
-                          overrides=overrides, device=device, report=report,
-                          tensorboard=tensorboard, profile_start=profile_start,
-                          profile_steps=profile_steps,
-                          allow_runtime_change=allow_runtime_change, parallel=dp)
+        status = _run_train(command, device, dp)
         clean = True
         return status
     finally:
-        set_balancer_gather(None)
         shutdown(dp, clean=clean)
 
 
-def _run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume: bool,
-               preset: str | None, overrides: dict[str, Any], device: torch.device,
-               report: bool, tensorboard: bool, profile_start: int | None,
-               profile_steps: int, allow_runtime_change: bool,
-               parallel: Parallel | None) -> int:
-    main = parallel is None or parallel.is_main  # rank 0 alone writes the run directory
-    preset = preset or toml.get("preset")
+def _resolve(command: TrainCommand) -> _Resolved:
+    """The session's configs from the run directory's state and the command line, or a
+    ``RunError`` when the run directory is not in a state this command can use."""
+    run_dir, toml = command.run_dir, command.toml
+    preset = command.preset or toml.get("preset")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--run-dir {run_dir} is a file, not a directory")
     record: dict[str, Any] | None = None
     found = find_checkpoint(run_dir)
+    resume = command.resume
     if resume and found is None:
         if not _has_run(run_dir):
             raise RunError(f"--resume: no checkpoint to resume, {run_dir / CHECKPOINT} "
@@ -233,85 +259,92 @@ def _run_train(*, run_dir: Path, data: Path | None, toml: dict[str, Any], resume
         raise RunError(f"{run_dir} already holds a run; pass --resume to continue it or "
                        "choose another --run-dir")
     if record is not None:
-        config = _train_config(record["train_config"], toml, overrides)
+        config = _train_config(record["train_config"], toml, command.overrides)
         model_config = _model_config(preset, toml.get("model", {}), record["model_config"])
-        data_dir = data or Path(record["data"]["dir"])
+        data_dir = command.data or Path(record["data"]["dir"])
     else:
-        config = _train_config({}, toml, overrides)
+        config = _train_config({}, toml, command.overrides)
         model_config = _model_config(preset, toml.get("model", {}), None)
-        data_dir = resolve_data(data)
+        data_dir = resolve_data(command.data)
     horizon_unset = record is None and "decay_steps" not in {**toml.get("train", {}),
-                                                            **overrides}
+                                                            **command.overrides}
+    return _Resolved(config, model_config, data_dir, found if resume else None, horizon_unset)
+
+
+def _observers(command: TrainCommand, metrics: MetricsLog) -> list[Any]:
+    """The callbacks of a CLI session (rank 0): metrics.jsonl, then what was asked for."""
+    callbacks: list[Any] = [metrics]
+    if command.tensorboard:
+        callbacks.append(TensorBoard(command.run_dir / "tensorboard"))
+    if command.profile_start is not None:
+        callbacks.append(ProfilerWindow(command.run_dir / "profile", command.profile_start,
+                                        command.profile_steps))
+    if sys.stderr.isatty():
+        callbacks.append(ProgressBar())
+    if command.report:
+        callbacks.append(Report(command.run_dir))
+    return callbacks
+
+
+def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel | None) -> int:
+    main = parallel is None or parallel.is_main  # rank 0 alone writes the run directory
+    run_dir = command.run_dir
+    resolved = _resolve(command)
+    config = resolved.config
     validate_precision(config.precision, device)
-    try:
-        profiler = TrainingProfiler(device, trace_dir=run_dir / "profile",
-                                    trace_start=profile_start, trace_steps=profile_steps)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if report:
-        require_matplotlib()
-    if tensorboard:
-        TensorBoardSink.require()
-    checkpoint = checkpoint_path(run_dir, parallel)
-    if parallel is not None:
-        set_balancer_gather(parallel.gather_rows)
-    session = _Session(config, model_config, data_dir, device, parallel)
-    state = TrainState()
-    runtime_changes: dict[str, Any] = {}
-    if resume:
-        assert found is not None
+    if command.profile_start is not None:
         try:
-            resumed = resume_checkpoint(found, session.model, session.optimizer,
-                                        config, session.train_loader, session.val_loader,
-                                        allow_runtime_change=allow_runtime_change,
-                                        parallel=parallel)
+            ProfilerWindow(run_dir / "profile", command.profile_start, command.profile_steps)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if command.report:
+        require_matplotlib()
+    if command.tensorboard:
+        TensorBoard.require()
+    trainer = build_trainer(resolved, device, parallel, checkpoint_path(run_dir, parallel))
+    runtime_changes: dict[str, Any] = {}
+    if resolved.resume_from is not None:
+        try:
+            resumed = trainer.resume(resolved.resume_from,
+                                     allow_runtime_change=command.allow_runtime_change)
         except k3_checkpoint.CheckpointError as error:
-            raise _with_runtime_hint(error, allow_runtime_change) from error
-        state, runtime_changes = resumed.state, resumed.runtime_changes
-        if state.step >= config.max_steps:
+            raise _with_runtime_hint(error, command.allow_runtime_change) from error
+        runtime_changes = resumed.runtime_changes
+        if trainer.state.step >= config.max_steps:
             # Success for a supervisor that restarts until the run is done.
-            print(f"k3-train: run already complete at step {state.step}; nothing to do "
-                  "(raise --max-steps to extend it)")
+            print(f"k3-train: run already complete at step {trainer.state.step}; nothing to "
+                  "do (raise --max-steps to extend it)")
             return 0
     if parallel is not None:
         parallel.barrier()  # every rank has checked the run directory before rank 0 writes
-    if parallel is not None and not main:
-        return _train_quietly(session, config, device, state, parallel, checkpoint)
-    if not resume:
+    if not main:
+        trainer.fit()  # the same training, writing nothing but its share of checkpoints
+        return 0
+    if resolved.resume_from is None:
         (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
 
     # Said once every check has passed and the session is really going to train.
-    for note in horizon_notes(config, horizon_unset=horizon_unset):
+    for note in horizon_notes(config, horizon_unset=resolved.horizon_unset):
         print(f"k3-train: note: {note}", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_record(run_dir, train_config=config.to_dict(), model_config=model_config.to_dict(),
-                     preset=preset, data_dir=str(data_dir.resolve()),
-                     manifest_digest=session.train_loader.manifest_digest, device=str(device),
-                     resumed_from_step=state.step if resume else None,
+    write_run_record(run_dir, train_config=config.to_dict(),
+                     model_config=resolved.model_config.to_dict(),
+                     preset=command.preset or command.toml.get("preset"),
+                     data_dir=str(resolved.data_dir.resolve()),
+                     manifest_digest=trainer.loaders.train.manifest_digest, device=str(device),
+                     resumed_from_step=(trainer.state.step if resolved.resume_from is not None
+                                        else None),
                      data_parallel=parallel.describe() if parallel is not None else None)
-    sinks = [TensorBoardSink(run_dir / "tensorboard")] if tensorboard else []
-    bar = _progress(config, state)
-    with MetricsLog(run_dir / METRICS, sinks=sinks) as log:
+    with MetricsLog(run_dir / METRICS) as metrics:
+        observers = _observers(command, metrics)
+        trainer.callbacks.extend(observers)
         if runtime_changes:
-            _report_runtime_changes(log, state, runtime_changes)
-        state = train(session.model, session.optimizer, session.train_loader,
-                      session.val_loader, config, device, state=state, log=log,
-                      checkpoint_path=checkpoint, profiler=profiler,
-                      on_update=bar.update if bar else None, parallel=parallel)
-        if bar:
-            bar.close()
-        _summary(log, run_dir)
-    if report:
-        print(f"k3-train: report in {write_report(run_dir)}")
-    return 0
-
-
-def _train_quietly(session: _Session, config: TrainConfig, device: torch.device,
-                   state: TrainState, parallel: Parallel, checkpoint: Path | None) -> int:
-    """A rank other than 0: the same training, writing nothing (its collectives still run,
-    and it passes the checkpoint path so the loop keeps in step at checkpoint updates)."""
-    train(session.model, session.optimizer, session.train_loader, session.val_loader,
-          config, device, state=state, checkpoint_path=checkpoint, parallel=parallel)
+            _report_runtime_changes(metrics, trainer.state, runtime_changes)
+        trainer.fit()
+        _summary(metrics, run_dir)
+    report = next((c for c in observers if isinstance(c, Report)), None)
+    if report is not None and report.written is not None:
+        print(f"k3-train: report in {report.written}")
     return 0
 
 
@@ -353,70 +386,70 @@ def run_report(run_dir: Path) -> int:
     return 0
 
 
-def _restored(run_dir: Path, data: Path | None, device: torch.device
-              ) -> tuple[_Session, TrainConfig, TrainState, Path]:
-    """The run rebuilt from its run.json with its checkpoint loaded, for commands that
-    continue no training (eval, sample): another runtime (threads, torch version, device)
-    is accepted; everything else is validated as strictly as for a resume."""
+@dataclass(frozen=True)
+class _Restored:
+    """A run's model (and what it was trained on) read from its checkpoint."""
+
+    model: K3Model
+    config: TrainConfig
+    state: TrainState
+    loaders: tuple[TokenDataLoader, TokenDataLoader]
+    data_dir: Path
+
+
+def _restored(run_dir: Path, data: Path | None, device: torch.device) -> _Restored:
+    """The run's model rebuilt from its run.json with its weights, counters and loader
+    cursors read from the checkpoint, for commands that continue no training (eval,
+    sample): no optimizer is built, a sharded checkpoint is read into this one process,
+    another runtime (threads, torch version, device) is accepted, and everything else is
+    validated as strictly as for a resume."""
     record = _read_record(run_dir)
-    config = _train_config(record["train_config"], {}, {})
-    data_dir = data or Path(record["data"]["dir"])
-    session = _Session(config, _model_config(None, {}, record["model_config"]), data_dir,
-                       device)
     found = find_checkpoint(run_dir)
     if found is None:
         raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint")
-    state = load_checkpoint(found, session.model, session.optimizer, config,
-                            session.train_loader, session.val_loader,
-                            allow_runtime_change=True)
-    return session, config, state, data_dir
+    config = _train_config(record["train_config"], {}, {})
+    model_config = _model_config(None, {}, record["model_config"])
+    data_dir = data or Path(record["data"]["dir"])
+    loaders = _loaders(config, model_config, data_dir, None)
+    seed_everything(config.seed)
+    model = K3Model(model_config).to(device)
+    state = TrainState()
+    states = {"model": model, "counters": state,
+              "loaders": {"train": loaders[0], "val": loaders[1]}}
+    Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY).load(found)
+    return _Restored(model, config, state, loaders, data_dir)
 
 
 def run_eval(run_dir: Path, data: Path | None, batches: int | None,
              device: torch.device) -> int:
-    session, config, state, _ = _restored(run_dir, data, device)
-    result = evaluate_split(session.model, session.val_loader, device,
-                            batches or config.eval_batches, config.precision)
+    run = _restored(run_dir, data, device)
+    result = evaluate_split(run.model, run.loaders[1], device,
+                            batches or run.config.eval_batches, run.config.precision)
     bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
-    print(f"step {state.step}: val_loss {result.loss:.4f}{bpb}")
+    print(f"step {run.state.step}: val_loss {result.loss:.4f}{bpb}")
     return 0
 
 
-def run_sample(run_dir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
-               top_k: int | None, seed: int, device: torch.device) -> int:
-    """Print ``prompt`` and a continuation from the run's checkpoint (strictly loaded)."""
-    if find_checkpoint(run_dir) is None:
-        raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint to "
-                       "sample from; train it first")
-    session, _, _, data_dir = _restored(run_dir, None, device)
-    codec = load_codec(data_dir, session.train_loader.manifest)
-    print(sample_text(session.model, codec, prompt, max_new_tokens=max_new_tokens,
-                      max_seq_len=session.model.config.max_seq_len, device=device,
-                      temperature=temperature, top_k=top_k, seed=seed))
+@dataclass(frozen=True)
+class SampleCommand:
+    """``k3-train sample``'s arguments."""
+
+    run_dir: Path
+    sampling: Sampling
+    prompt: str = ""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def run_sample(command: SampleCommand) -> int:
+    """Print the prompt and a continuation from the run's checkpoint (strictly loaded)."""
+    if find_checkpoint(command.run_dir) is None:
+        raise RunError(f"{command.run_dir / CHECKPOINT} not found: {command.run_dir} has no "
+                       "checkpoint to sample from; train it first")
+    run = _restored(command.run_dir, None, command.device)
+    codec = load_codec(run.data_dir, run.loaders[0].manifest)
+    print(sample_text(run.model, codec, command.prompt, command.sampling,
+                      max_seq_len=run.model.config.max_seq_len, device=command.device))
     return 0
-
-
-class _Progress:
-    """A tqdm bar on a terminal (step, loss, tokens/s, ETA); silent otherwise."""
-
-    def __init__(self, config: TrainConfig, state: TrainState) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=config.max_steps, initial=state.step, unit="step",
-                        dynamic_ncols=True, file=sys.stderr)
-
-    def update(self, state: TrainState, stats: dict[str, Any]) -> None:
-        self.bar.n = state.step
-        self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{stats['tokens_per_s']:.0f}",
-                             refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _progress(config: TrainConfig, state: TrainState) -> _Progress | None:
-    return _Progress(config, state) if sys.stderr.isatty() else None
 
 
 def _summary(log: MetricsLog, run_dir: Path) -> None:
@@ -433,4 +466,3 @@ def _summary(log: MetricsLog, run_dir: Path) -> None:
     if rates:
         parts.append(f"{sum(rates) / len(rates):,.0f} tokens/s (active training)")
     print(f"k3-train: {', '.join(parts)}; run in {run_dir}")
-

@@ -9,26 +9,35 @@ so a seed gives the same text on any device whose logits agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from k3_checkpoint import capture_rng, restore_rng
 
-from .tokenizer import Codec
+from .data import Codec
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are drawn: ``temperature == 0`` takes the most likely token; ``top_k``
+    keeps only the k most likely before drawing; ``seed`` seeds the draws."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    seed: int = 0
 
 
 @torch.no_grad()
-def sample_tokens(model: nn.Module, prompt: Sequence[int], *, max_new_tokens: int,
-                  max_seq_len: int, device: torch.device | str, temperature: float = 1.0,
-                  top_k: int | None = None, seed: int = 0, stop_id: int | None = None
+def sample_tokens(model: nn.Module, prompt: Sequence[int], sampling: Sampling, *,
+                  max_seq_len: int, device: torch.device | str, stop_id: int | None = None
                   ) -> list[int]:
-    """Up to ``max_new_tokens`` ids drawn after ``prompt`` (stops after ``stop_id``).
-
-    ``temperature == 0`` takes the most likely token; ``top_k`` keeps only the k most
-    likely before drawing. The global RNG and the model's training flag are left as
-    they were.
-    """
+    """Up to ``sampling.max_new_tokens`` ids drawn after ``prompt`` (stops after
+    ``stop_id``). The global RNG and the model's training flag are left as they were."""
+    max_new_tokens, temperature = sampling.max_new_tokens, sampling.temperature
+    top_k, seed = sampling.top_k, sampling.seed
     if not prompt:
         raise ValueError("sample: the prompt must hold at least one token")
     if temperature < 0 or (top_k is not None and top_k < 1):
@@ -63,16 +72,14 @@ def sample_tokens(model: nn.Module, prompt: Sequence[int], *, max_new_tokens: in
     return new
 
 
-def sample_text(model: nn.Module, codec: Codec, prompt: str, *, max_new_tokens: int,
-                max_seq_len: int, device: torch.device | str, temperature: float = 1.0,
-                top_k: int | None = None, seed: int = 0) -> str:
+def sample_text(model: nn.Module, codec: Codec, prompt: str, sampling: Sampling, *,
+                max_seq_len: int, device: torch.device | str) -> str:
     """``prompt`` followed by its sampled continuation, decoded.
 
     The context starts with the end-of-document token, as every document after the first
     does in the shards, and sampling stops when the model ends the document.
     """
     ids = [codec.eod_id, *codec.encode_batch([prompt])[0].tolist()] if prompt else [codec.eod_id]
-    new = sample_tokens(model, ids, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len,
-                        device=device, temperature=temperature, top_k=top_k, seed=seed,
+    new = sample_tokens(model, ids, sampling, max_seq_len=max_seq_len, device=device,
                         stop_id=codec.eod_id)
     return prompt + codec.decode(new)

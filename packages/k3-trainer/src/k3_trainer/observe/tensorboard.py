@@ -1,14 +1,18 @@
-"""Optional metric sinks beside the JSONL log (the source of truth): TensorBoard."""
+"""TensorBoard scalars beside the JSONL log (the source of truth), as a callback."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError
+from ..callbacks import Callback, Record
+from ..config import ConfigError
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
 
 
-class TensorBoardSink:
+class TensorBoard(Callback):
     """Mirrors numeric fields of ``train`` and ``eval`` events as TensorBoard scalars.
 
     Needs the ``tensorboard`` package (``pip install 'k3-trainer[tensorboard]'``); asking
@@ -30,6 +34,15 @@ class TensorBoardSink:
         except ImportError:
             raise ConfigError("--tensorboard needs the tensorboard package: "
                               "pip install 'k3-trainer[tensorboard]'") from None
+
+    def on_log(self, trainer: Trainer, record: Record) -> None:
+        self.write(record)
+
+    def on_eval_end(self, trainer: Trainer, record: Record) -> None:
+        self.write(record)
+
+    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+        self.close()
 
     def write(self, record: dict[str, Any]) -> None:
         if record["event"] not in ("train", "eval") or "step" not in record:

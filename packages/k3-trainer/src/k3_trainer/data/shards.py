@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import TOKEN_BYTES
+from .loader import TOKEN_BYTES
 
 
 class HashingWriter:

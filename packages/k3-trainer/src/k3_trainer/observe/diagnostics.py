@@ -1,7 +1,7 @@
 """``MoEDiagnostics``: routing statistics collected only while the context is active.
 
-A model takes part by offering ``set_moe_stats(enabled)`` and ``pop_moe_stats() ->
-{layer: stats}`` where each ``stats.to_metrics()`` gives ``load_cv``, ``dead_experts``,
+A model takes part through the contract's ``set_moe_stats(enabled)`` and ``pop_moe_stats()
+-> {layer: stats}`` where each ``stats.to_metrics()`` gives ``load_cv``, ``dead_experts``,
 ``bias_min`` and ``bias_max`` (k3-model's ``K3Model`` does). Other models summarize to
 nothing and pay nothing.
 """
@@ -10,25 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+from ..contract import ModelContract
 
 
 class MoEDiagnostics:
-    def __init__(self, model: nn.Module, *, enabled: bool = True) -> None:
-        self.model = model
-        self.enabled = enabled and callable(getattr(model, "set_moe_stats", None)) and callable(
-            getattr(model, "pop_moe_stats", None))
+    def __init__(self, contract: ModelContract, *, enabled: bool = True) -> None:
+        self.contract = contract
+        self.enabled = enabled and contract.has_moe_stats
 
     def __enter__(self) -> MoEDiagnostics:
         if self.enabled:
-            self.model.set_moe_stats(True)  # type: ignore[operator]
-            self.model.pop_moe_stats()  # type: ignore[operator]  # start a clean window
+            self.contract.set_moe_stats(True)
+            self.contract.pop_moe_stats()  # start a clean window
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
-            self.model.set_moe_stats(False)  # type: ignore[operator]
-            self.model.pop_moe_stats()  # type: ignore[operator]
+            self.contract.set_moe_stats(False)
+            self.contract.pop_moe_stats()
 
     def summary(self) -> dict[str, Any]:
         """Flat per-window metrics: worst layer's load CV and bias range, dead experts in all
@@ -36,7 +35,7 @@ class MoEDiagnostics:
         if not self.enabled:
             return {}
         per_layer = {name: stats.to_metrics()
-                     for name, stats in self.model.pop_moe_stats().items()}  # type: ignore[operator]
+                     for name, stats in self.contract.pop_moe_stats().items()}
         if not per_layer:
             return {}
         fields: dict[str, Any] = {

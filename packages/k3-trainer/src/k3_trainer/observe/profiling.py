@@ -1,4 +1,5 @@
-"""``TrainingProfiler``: cheap always-on phase timers, the attempt clock, a bounded trace.
+"""``TrainingProfiler``: cheap always-on phase timers and the attempt clock;
+``ProfilerWindow``: a bounded ``torch.profiler`` trace, as a callback.
 
 Phases: ``train/data``, ``train/forward``, ``train/backward``, ``train/optimizer`` (which
 contains ``train/qk_clip``) and the auxiliary ``eval``, ``checkpoint`` and ``log``. Timers
@@ -7,9 +8,9 @@ read ``perf_counter`` and never synchronize a device per region; on CUDA the loo
 regions show host-side time. Auxiliary phases pause the active-training clock, so
 tokens/s reflects training alone.
 
-An optional ``torch.profiler`` window covers a fixed number of attempts starting at a
+An optional :class:`ProfilerWindow` covers a fixed number of attempts starting at a
 given candidate step — never unbounded — and writes a Chrome/Perfetto trace and a
-top-ops table into ``<trace_dir>``.
+top-ops table into ``<trace_dir>``; while it records, every phase is a named span.
 """
 
 from __future__ import annotations
@@ -19,36 +20,31 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ..callbacks import Callback, Record
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
 
 AUXILIARY = ("eval", "checkpoint", "log", "profile")
 MAX_TRACE_STEPS = 20  # a trace of more attempts is too large to open; refuse it
 
 
 class TrainingProfiler:
-    def __init__(self, device: torch.device | str = "cpu", *, trace_dir: str | Path | None = None,
-                 trace_start: int | None = None, trace_steps: int = 3) -> None:
+    """Phase timers of one session (see the module docs); ``recording`` names each phase
+    as a ``torch.profiler`` span while a :class:`ProfilerWindow` traces."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        if trace_start is not None:
-            if trace_start < 1 or not 1 <= trace_steps <= MAX_TRACE_STEPS:
-                raise ValueError(f"profiler window: start step must be >= 1 and steps in "
-                                 f"1..{MAX_TRACE_STEPS}, got start {trace_start}, "
-                                 f"steps {trace_steps}")
-            if trace_dir is None:
-                raise ValueError("profiler window: a trace directory is required")
-        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
-        self.trace_start, self.trace_steps = trace_start, trace_steps
         self.phase_seconds: dict[str, float] = defaultdict(float)
         self.attempts = 0
-        self.traced_attempts = 0
         self.active_seconds = 0.0
+        self.recording = False
         self._active_since: float | None = None
         self._depth = 0
-        self._torch_profiler: Any = None
-        self._attempt_mark: Any = None
-        self._trace_done = False
         self.session_start = time.perf_counter()
 
     # --- context ------------------------------------------------------------------------
@@ -59,7 +55,6 @@ class TrainingProfiler:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop_trace()
         self.synchronize()
         self.pause()
 
@@ -75,7 +70,7 @@ class TrainingProfiler:
         self._depth += 1
         start = time.perf_counter()
         try:
-            with torch.profiler.record_function(name) if self._torch_profiler else \
+            with torch.profiler.record_function(name) if self.recording else \
                     contextlib.nullcontext():
                 yield
         finally:
@@ -117,51 +112,69 @@ class TrainingProfiler:
                 "untracked_s": round(wall - self.phase_seconds["top_level"], 4),
                 "attempts": self.attempts}
 
-    # --- attempts and the bounded trace -------------------------------------------------
-
-    def begin_attempt(self, candidate_step: int) -> None:
-        """Called at the top of each attempted update; may open the trace window."""
-        if (self.trace_start is not None and not self._trace_done
-                and self._torch_profiler is None and candidate_step >= self.trace_start):
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with self.region("profile"):
-                prof: Any = torch.profiler.profile(activities=activities, record_shapes=True)
-                prof.__enter__()
-            self._torch_profiler = prof
-        if self._torch_profiler is not None:  # one "train/attempt#<step>" span per attempt
-            mark: Any = torch.profiler.record_function(f"train/attempt#{candidate_step}")
-            mark.__enter__()
-            self._attempt_mark = mark
-
     def attempt_done(self) -> None:
         """Advance the attempt clock (skipped FP16 attempts count too)."""
         self.attempts += 1
+
+
+class ProfilerWindow(Callback):
+    """Trace ``steps`` attempts from candidate step ``start`` with ``torch.profiler`` into
+    ``trace_dir`` (``trace.json`` for Perfetto/Chrome, ``top_ops.txt``); its own cost is
+    the auxiliary phase ``profile``, not training time."""
+
+    def __init__(self, trace_dir: str | Path, start: int, steps: int = 3) -> None:
+        if start < 1 or not 1 <= steps <= MAX_TRACE_STEPS:
+            raise ValueError(f"profiler window: start step must be >= 1 and steps in "
+                             f"1..{MAX_TRACE_STEPS}, got start {start}, steps {steps}")
+        self.trace_dir, self.start, self.steps = Path(trace_dir), start, steps
+        self.traced_attempts = 0
+        self._torch_profiler: Any = None
+        self._attempt_mark: Any = None
+        self._done = False
+
+    def on_attempt_start(self, trainer: Trainer, step: int) -> None:
+        if not self._done and self._torch_profiler is None and step >= self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if trainer.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with trainer.profiler.region("profile"):
+                prof: Any = torch.profiler.profile(activities=activities, record_shapes=True)
+                prof.__enter__()
+            self._torch_profiler = prof
+            trainer.profiler.recording = True
+        if self._torch_profiler is not None:  # one "train/attempt#<step>" span per attempt
+            mark: Any = torch.profiler.record_function(f"train/attempt#{step}")
+            mark.__enter__()
+            self._attempt_mark = mark
+
+    def on_attempt_end(self, trainer: Trainer, step: int) -> None:
         if self._attempt_mark is not None:
             self._attempt_mark.__exit__(None, None, None)
             self._attempt_mark = None
         if self._torch_profiler is not None:
             self.traced_attempts += 1
-            if self.traced_attempts >= self.trace_steps:
-                self._stop_trace()
+            if self.traced_attempts >= self.steps:
+                self._stop(trainer)
 
-    def _stop_trace(self) -> None:
+    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+        self._stop(trainer)
+
+    def _stop(self, trainer: Trainer) -> None:
         if self._torch_profiler is None:
             return
         if self._attempt_mark is not None:  # the session ended inside an attempt
             self._attempt_mark.__exit__(None, None, None)
             self._attempt_mark = None
         prof, self._torch_profiler = self._torch_profiler, None
-        self._trace_done = True
-        with self.region("profile"):  # an auxiliary phase: not active training time
+        self._done = True
+        trainer.profiler.recording = False
+        with trainer.profiler.region("profile"):  # an auxiliary phase: not training time
             prof.__exit__(None, None, None)
-            assert self.trace_dir is not None
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(self.trace_dir / "trace.json"))
-            sort = ("self_cuda_time_total" if self.device.type == "cuda"
+            sort = ("self_cuda_time_total" if trainer.device.type == "cuda"
                     else "self_cpu_time_total")
             table = prof.key_averages().table(sort_by=sort, row_limit=30)
             (self.trace_dir / "top_ops.txt").write_text(
                 f"torch.profiler window: {self.traced_attempts} attempt(s) from candidate "
-                f"step {self.trace_start}\n\n{table}\n")
+                f"step {self.start}\n\n{table}\n")

@@ -3,14 +3,18 @@ fails on all, and a load refused on one rank is refused on all, with no rank cha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+
+import torch
 
 import k3_checkpoint
 
-from .distributed import Parallel
+from ..distributed import Parallel
 
-__all__ = ["any_rank", "load_on_every_rank", "raise_on_every_rank"]
+__all__ = ["Snapshot", "any_rank", "leaves", "load_on_every_rank", "raise_on_every_rank"]
 
 
 def any_rank(parallel: Parallel | None, flag: bool) -> bool:
@@ -53,3 +57,32 @@ def load_on_every_rank(
             path=path,
         )
     raise error
+
+
+def leaves(components: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(dotted name, component)`` of every stateful leaf of a components mapping."""
+    out: list[tuple[str, Any]] = []
+    for name, component in components.items():
+        if isinstance(component, Mapping):
+            out += [(f"{name}.{n}", c) for n, c in leaves(component)]
+        else:
+            out.append((name, component))
+    return out
+
+
+class Snapshot:
+    """Every component's ``state_dict()`` (deep-copied) and the global RNG, taken before a
+    load, so that a rank which accepted a checkpoint that another rank refused can put
+    everything back: the one rollback, whatever the components are."""
+
+    def __init__(self, components: Mapping[str, Any]) -> None:
+        self.components = leaves(components)
+        self.saved = {name: copy.deepcopy(c.state_dict()) for name, c in self.components}
+        self.rng = k3_checkpoint.capture_rng()
+
+    def restore(self) -> None:
+        for name, component in self.components:
+            component.load_state_dict(self.saved[name])
+            if isinstance(component, torch.optim.Optimizer):
+                component.zero_grad(set_to_none=True)
+        k3_checkpoint.restore_rng(self.rng)

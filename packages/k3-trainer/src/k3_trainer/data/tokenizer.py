@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import DataError
+from .loader import DataError
 
 BYTES_EOD = 0xFF
 TRAINED_EOD = "<|endoftext|>"

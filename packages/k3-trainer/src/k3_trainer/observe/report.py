@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError
+from ..callbacks import Callback, Record
+from ..config import ConfigError
 from .metrics import read_events
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
 
 REPORT_DIR = "report"
 
@@ -121,3 +125,16 @@ def write_report(run_dir: str | Path) -> Path:
         f"<h1>{html.escape(run_dir.name)}</h1><table>{rows}</table>{figures}</body></html>\n"
     )
     return index
+
+
+class Report(Callback):
+    """Write the run's report when a session ends (``--report``); the path is kept in
+    :attr:`written`. Put it after the ``MetricsLog`` it reads."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        require_matplotlib()
+        self.run_dir = Path(run_dir)
+        self.written: Path | None = None
+
+    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+        self.written = write_report(self.run_dir)

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import MANIFEST, MANIFEST_FORMAT, DataError, file_sha256, token_dtype
+from .loader import MANIFEST, MANIFEST_FORMAT, DataError, file_sha256, token_dtype
 from .shards import SplitWriter, move_tail, write_table
 from .sources import (
     INVALID,
@@ -68,15 +68,6 @@ def builtin_corpus() -> tuple[str, dict[str, Any]]:
     text = "\n\n".join(topics.topics[name].strip() for name in names) + "\n"
     return text, {"builtin": "pydoc_data.topics", "python": sys.version.split()[0],
                   "topics": len(names)}
-
-
-def encode_bytes(text: str) -> np.ndarray:
-    """Byte-level tokenizer: the UTF-8 bytes are the token ids (vocabulary 256)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-
-
-def decode_bytes(ids: Sequence[int]) -> str:
-    return BytesCodec().decode(ids)
 
 
 def default_workers() -> int:

@@ -1,4 +1,7 @@
-"""The run's event log: one JSON object per line in ``metrics.jsonl``, the source of truth."""
+"""The run's event log: one JSON object per line in ``metrics.jsonl``, the source of truth.
+
+``MetricsLog`` is a callback: every event the trainer reports is appended as it happens.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +9,29 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..callbacks import Callback, Record
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
 
 
-class MetricsLog:
-    """Append-only JSONL events, each with an ``event`` name and a wall-clock ``time``;
-    optional ``sinks`` (e.g. :class:`~k3_trainer.sinks.TensorBoardSink`) get each record too.
+def event_record(event: str, **fields: Any) -> Record:
+    """``{"event", "time", **fields}``, non-finite floats as None (strict JSON)."""
+    return {"event": event, "time": round(time.time(), 3), **_finite(fields)}
+
+
+class MetricsLog(Callback):
+    """Append-only JSONL events, each with an ``event`` name and a wall-clock ``time``
+    (``path=None`` keeps them in :attr:`events` only).
 
     Lines are flushed as they are written, so a killed run keeps every event it logged.
     Non-finite floats are written as ``null`` to keep the file strict JSON.
     """
 
-    def __init__(self, path: str | Path | None, sinks: list[Any] | None = None) -> None:
+    def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path is not None else None
-        self.sinks = list(sinks or [])
         self._file = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,23 +42,40 @@ class MetricsLog:
                 self._file.write("\n")
         self.events: list[dict[str, Any]] = []
 
-    def write(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"event": event, "time": round(time.time(), 3), **_finite(fields)}
+    def write(self, event: str, **fields: Any) -> Record:
+        """Record an event of the caller's own (e.g. ``runtime_changed``)."""
+        return self.append(event_record(event, **fields))
+
+    def append(self, record: Record) -> Record:
         self.events.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=False) + "\n")
             self._file.flush()
-        for sink in self.sinks:
-            sink.write(record)
         return record
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+
+    # Every event the trainer reports goes to the file.
+    def on_session_start(self, trainer: Trainer, record: Record) -> None:
+        self.append(record)
+
+    def on_overflow(self, trainer: Trainer, record: Record) -> None:
+        self.append(record)
+
+    def on_log(self, trainer: Trainer, record: Record) -> None:
+        self.append(record)
+
+    def on_eval_end(self, trainer: Trainer, record: Record) -> None:
+        self.append(record)
+
+    def on_checkpoint_saved(self, trainer: Trainer, record: Record) -> None:
+        self.append(record)
+
+    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+        self.append(record)
 
     def __enter__(self) -> MetricsLog:
         return self

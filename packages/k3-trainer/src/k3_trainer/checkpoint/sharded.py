@@ -26,7 +26,6 @@ read, straight into the live (possibly sharded) model and optimizer.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import os
 import shutil
@@ -41,8 +40,8 @@ from torch import nn
 
 import k3_checkpoint
 
-from .agreement import load_on_every_rank, raise_on_every_rank
-from .distributed import Parallel
+from ..distributed import Parallel
+from .agreement import Snapshot, load_on_every_rank, raise_on_every_rank
 
 META = "k3.ckpt"
 """The format-7 file inside a sharded checkpoint folder."""
@@ -179,12 +178,13 @@ def owned_target(path: Path) -> Path | None:
 
 # --- load ---------------------------------------------------------------------------------
 
-def read_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+def read_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  components: Mapping[str, Any], metadata: Mapping[str, Any],
                  policy: k3_checkpoint.CompatibilityPolicy,
                  parallel: Parallel | None) -> k3_checkpoint.LoadedCheckpoint:
     """Validate the sharded checkpoint ``path`` on every rank, then restore ``components``,
     the model and the optimizer (call on every rank, including with one process).
+    ``optimizer=None`` reads the model's tensors alone (``eval``, ``sample``).
 
     Raises ``k3_checkpoint.CheckpointError`` on every rank, with nothing changed on any,
     when any rank refuses it. The RNG is restored after the tensors, as the loader's last
@@ -192,19 +192,12 @@ def read_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     and it is set again at the end, so the order cannot matter).
     """
     index = ShardIndex(path, live=_live_tensors(model, optimizer), parallel=parallel)
-    previous = {name: _snapshot(component) for name, component in _leaves(components)}
-    rng = k3_checkpoint.capture_rng()
-
-    def undo() -> None:  # the cheap state: no tensor was read yet
-        for name, component in _leaves(components):
-            component.load_state_dict(previous[name])
-        k3_checkpoint.restore_rng(rng)
-
+    snapshot = Snapshot(components)  # the cheap state: no tensor is read before agreement
     loaded = load_on_every_rank(
         path, parallel,
         lambda: k3_checkpoint.load_checkpoint(
             path / META, {"shards": index, **components}, metadata, policy, modules=[model]),
-        undo)
+        snapshot.restore)
     resumed_rng = k3_checkpoint.capture_rng()
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -219,17 +212,29 @@ def read_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     return loaded
 
 
-def _read_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _read_tensors(path: Path, model: nn.Module,
+                  optimizer: torch.optim.Optimizer | None) -> None:
     """DCP reads each rank's part of every tensor in place (resharding when the world size
     changed); the optimizer takes the checkpoint's hyperparameters too."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.checkpoint.state_dict_loader import load
 
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        with _single_process_quiet():
+            load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
+        set_model_state_dict(model, state["model"])
+        return
     # get_state_dict gives a never-stepped optimizer its state with one lr=0 step; the
     # checkpoint then overwrites all of it.
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    state = {"model": model_state, "optimizer": optimizer_state}
     with _single_process_quiet():
         load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -237,15 +242,16 @@ def _read_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     optimizer.zero_grad(set_to_none=True)
 
 
-def _live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer
+def _live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
                   ) -> dict[str, Any]:
     """What the checkpoint's tensors must match: every model state entry's global shape and
     dtype, and every optimized parameter's name and global shape (read without touching the
-    optimizer, whose state may not exist yet)."""
+    optimizer, whose state may not exist yet); None for the optimizer when it is not read."""
     model_entries = {f"model.{name}": (tuple(value.shape), value.dtype)
                      for name, value in model.state_dict().items()}
-    parameters = {entry["name"]: tuple(entry["shape"])
-                  for entry in k3_checkpoint.optimizer_layout(optimizer, model)}
+    parameters = None if optimizer is None else {
+        entry["name"]: tuple(entry["shape"])
+        for entry in k3_checkpoint.optimizer_layout(optimizer, model)}
     return {"model": model_entries, "parameters": parameters}
 
 
@@ -309,10 +315,10 @@ def check_tensor_table(folder: Path, live: dict[str, Any]) -> None:
     wrong = [f"{key[6:]} {list(saved_model[key][0])} {saved_model[key][1]} vs "
              f"{list(shape)} {dtype}"
              for key, (shape, dtype) in wanted.items() if saved_model[key] != (shape, dtype)]
-    parameters: dict[str, tuple[int, ...]] = live["parameters"]
+    parameters: dict[str, tuple[int, ...]] | None = live["parameters"]
     stray = []
     for key, (shape, _) in tensors.items():
-        if not key.startswith("optimizer.state."):
+        if parameters is None or not key.startswith("optimizer.state."):
             continue
         name, _, field = key[len("optimizer.state."):].rpartition(".")
         if name not in parameters:
@@ -403,20 +409,6 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _leaves(components: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for name, component in components.items():
-        if isinstance(component, Mapping):
-            out += [(f"{name}.{n}", c) for n, c in _leaves(component)]
-        else:
-            out.append((name, component))
-    return out
-
-
-def _snapshot(component: Any) -> Any:
-    return copy.deepcopy(component.state_dict())
 
 
 def _listed(items: list[str]) -> str:

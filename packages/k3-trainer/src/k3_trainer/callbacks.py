@@ -1,0 +1,131 @@
+"""Callbacks: how observers (metrics files, TensorBoard, progress, profiler, reports, a
+user's tracker) see a run without the loop knowing them.
+
+Subclass :class:`Callback` and override the hooks you need; pass instances as
+``Trainer(callbacks=[...])``. Hooks run on the rank that has the callback, in list order.
+A hook receives the trainer (its ``state``, ``config``, ``model``...) and, for the events
+that ``metrics.jsonl`` records, that event's record (``{"event", "time", ...fields}``).
+
+A callback that also has ``state_dict()`` and ``load_state_dict(state)`` is stateful: its
+state is one more checkpoint component (``callbacks.<name>``), saved at every checkpoint,
+validated and restored on resume, and rolled back with the rest when a resume is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from k3_checkpoint import Stateful
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+Record = dict[str, Any]
+
+_HOOK_OF_EVENT = {
+    "session_start": "on_session_start",
+    "overflow": "on_overflow",
+    "train": "on_log",
+    "eval": "on_eval_end",
+    "checkpoint": "on_checkpoint_saved",
+    "session_end": "on_session_end",
+}
+
+
+class Callback:
+    """Hooks called by :class:`~k3_trainer.Trainer`; every hook does nothing by default.
+
+    ``name`` is the callback's checkpoint key when it is stateful (default: the class name
+    in snake_case); two stateful callbacks of one run need different names.
+    """
+
+    name: str | None = None
+
+    def on_session_start(self, trainer: Trainer, record: Record) -> None:
+        """Training is about to start (or continue from ``trainer.state``)."""
+
+    def on_attempt_start(self, trainer: Trainer, step: int) -> None:
+        """An attempted update for successful step ``step`` begins."""
+
+    def on_attempt_end(self, trainer: Trainer, step: int) -> None:
+        """That attempt is over, whether its update was applied or skipped."""
+
+    def on_step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+        """After every successful update: ``loss``, ``lr``, ``grad_norm``,
+        ``tokens_per_s`` (of the current log window)."""
+
+    def on_overflow(self, trainer: Trainer, record: Record) -> None:
+        """An FP16 overflow skipped the update (``overflow`` event)."""
+
+    def on_log(self, trainer: Trainer, record: Record) -> None:
+        """A log interval's summary (``train`` event: loss, lr, tokens/s, MFU, QK, MoE...)."""
+
+    def on_eval_end(self, trainer: Trainer, record: Record) -> None:
+        """A validation result (``eval`` event: ``val_loss``, ``val_bpb``)."""
+
+    def on_checkpoint_saved(self, trainer: Trainer, record: Record) -> None:
+        """A checkpoint was published (``checkpoint`` event: ``path``, ``digest``)."""
+
+    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+        """The session trained to ``max_steps`` (``session_end`` event: phase times)."""
+
+
+def callback_name(callback: Callback) -> str:
+    """The checkpoint key of a stateful callback."""
+    if callback.name:
+        return callback.name
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(callback).__name__).lower()
+
+
+def is_stateful(callback: object) -> bool:
+    return isinstance(callback, Stateful)
+
+
+class Callbacks:
+    """The run's callbacks in order, and the dispatch of each event to its hook."""
+
+    def __init__(self, callbacks: Iterable[Callback]) -> None:
+        self.items = list(callbacks)
+        for callback in self.items:
+            if not isinstance(callback, Callback):
+                raise TypeError(f"callbacks must be k3_trainer.Callback instances, got "
+                                f"{type(callback).__name__}")
+        names = [callback_name(c) for c in self.items if is_stateful(c)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"stateful callbacks need distinct names (the checkpoint keys "
+                             f"them by name): {', '.join(twice)}")
+
+    def extend(self, callbacks: Iterable[Callback]) -> None:
+        """Add observers to a built trainer (the CLI adds its files once every check has
+        passed). Stateful ones must be given to ``Trainer(callbacks=...)``: the
+        checkpoint's components are fixed when the trainer is built."""
+        more = Callbacks(callbacks)
+        if more.states():
+            raise ValueError("a stateful callback must be passed to Trainer(callbacks=...): "
+                             "the checkpoint's components are fixed when it is built")
+        self.items += more.items
+
+    def states(self) -> dict[str, Any]:
+        """``{name: callback}`` of the stateful ones: their checkpoint components."""
+        return {callback_name(c): c for c in self.items if is_stateful(c)}
+
+    def event(self, trainer: Trainer, record: Record) -> None:
+        """Hand a ``metrics.jsonl`` record to every callback's hook for its event."""
+        hook = _HOOK_OF_EVENT[record["event"]]
+        for callback in self.items:
+            getattr(callback, hook)(trainer, record)
+
+    def attempt_start(self, trainer: Trainer, step: int) -> None:
+        for callback in self.items:
+            callback.on_attempt_start(trainer, step)
+
+    def attempt_end(self, trainer: Trainer, step: int) -> None:
+        for callback in self.items:
+            callback.on_attempt_end(trainer, step)
+
+    def step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+        for callback in self.items:
+            callback.on_step_end(trainer, stats)

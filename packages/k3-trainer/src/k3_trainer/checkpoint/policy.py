@@ -1,0 +1,105 @@
+"""What a run's checkpoint records beside its components, and what a resume accepts.
+
+The metadata (train config, vocabulary, model config, QK-Clip policy and geometry, the
+data-parallel layout) is compared on resume under :data:`TRAINER_POLICY`; nothing of it is
+restored. ``allow_runtime_change`` relaxes the policy by :func:`relaxed`; commands that
+only read the weights (``eval``, ``sample``) use :data:`READ_ONLY`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import k3_checkpoint
+from k3_qkclip import QKClip, QKClipPolicy
+
+from ..config import ConfigError, TrainConfig
+from ..contract import ModelContract
+from ..distributed import Parallel
+
+# Fields that may change on resume without touching the training trajectory: intervals
+# only decide when to log/evaluate/save, evaluation restores every RNG it touches, and
+# activation checkpointing recomputes bitwise what it drops (tested). max_steps may move
+# either way as long as it stays at or above the saved step (the step limit): the schedule,
+# including the cosine horizon, must be identical, and so must `compile` (its kernels round
+# differently from eager ones).
+TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
+    may_differ=frozenset(f"train_config.{name}" for name in (
+        "max_steps", "log_interval", "eval_interval", "checkpoint_interval", "eval_batches",
+        "activation_checkpointing")),
+    step_limit=("train_config.max_steps", "counters.step"),
+)
+
+PORTABLE_RUNTIME = frozenset({"torch_version", "cuda_version", "device_type", "num_threads"})
+"""Runtime-signature keys that legitimately differ between machines; ``allow_runtime_change``
+accepts a change in these (and gives up bitwise continuation). Dtypes and determinism
+settings are the run's own choices and stay strict."""
+
+RUNTIME_METADATA = ("runtime", "rng", "data_parallel")
+"""What ``allow_runtime_change`` may accept as changed, and what a ``runtime_changed`` event
+reports: the runtime signature, CUDA generator states, and the data-parallel layout
+(another world size or mode; sharded checkpoints are resharded on load)."""
+
+_TRAINING_ONLY = frozenset({"optimizer", "optimizer_type", "optimizer_layout", "grad_scaler",
+                            "callbacks"})
+
+
+def relaxed(policy: k3_checkpoint.CompatibilityPolicy) -> k3_checkpoint.CompatibilityPolicy:
+    """``policy`` that also accepts another portable runtime and data-parallel layout."""
+    return k3_checkpoint.CompatibilityPolicy(
+        may_grow=policy.may_grow, may_differ=policy.may_differ | {"data_parallel"},
+        step_limit=policy.step_limit,
+        runtime_may_differ=policy.runtime_may_differ | PORTABLE_RUNTIME, check=policy.check)
+
+
+READ_ONLY = relaxed(k3_checkpoint.CompatibilityPolicy(
+    may_differ=TRAINER_POLICY.may_differ | _TRAINING_ONLY))
+"""For ``eval`` and ``sample``: the model, counters and loaders are checked and read as for
+a resume, under any portable runtime; the optimizer and the rest of the training state
+are neither built nor read."""
+
+
+def qk_clip_policy(config: TrainConfig) -> QKClipPolicy:
+    return QKClipPolicy(enabled=config.qk_clip_enabled, tau=config.qk_clip_tau,
+                        gqa=config.qk_clip_gqa)  # type: ignore[arg-type]
+
+
+def run_metadata(contract: ModelContract, config: TrainConfig,
+                 parallel: Parallel | None = None) -> dict[str, Any]:
+    """What a resume compares (under :data:`TRAINER_POLICY`) but does not restore. A
+    data-parallel run adds its layout (``data_parallel``: mode, world size), so a
+    one-process checkpoint stays byte-for-byte what it was."""
+    policy = qk_clip_policy(config)
+    extra = {"data_parallel": parallel.describe()} if parallel is not None else {}
+    try:
+        geometry = QKClip(contract.model, policy).geometry()
+    except ValueError as error:  # QK-Clip on, and no attention declares its geometry
+        raise ConfigError(str(error)) from None
+    return {
+        **extra,
+        "train_config": config.to_dict(),
+        "vocab_size": contract.vocab_size,  # before model_config: the clearer refusal
+        "model_config": contract.model_config(),
+        "qk_clip": {"policy": policy.to_dict(),
+                    "geometry": geometry},
+    }
+
+
+ONE_PROCESS = {"mode": "none", "world_size": 1}
+"""The data-parallel layout of a checkpoint that records none (a one-process run)."""
+
+
+def runtime_changes(loaded: k3_checkpoint.LoadedCheckpoint) -> dict[str, tuple[Any, Any]]:
+    """The accepted runtime differences, one per leaf: a one-process side of a layout
+    change (which records no layout) reads as :data:`ONE_PROCESS`."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    for key in RUNTIME_METADATA:
+        for path, (saved, current) in loaded.changes_under(key).items():
+            if path != "data_parallel":
+                changes[path] = (saved, current)
+                continue
+            saved = ONE_PROCESS if saved is k3_checkpoint.MISSING else saved
+            current = ONE_PROCESS if current is k3_checkpoint.MISSING else current
+            changes.update({f"{path}.{field}": (saved.get(field), current.get(field))
+                            for field in ONE_PROCESS if saved.get(field) != current.get(field)})
+    return changes

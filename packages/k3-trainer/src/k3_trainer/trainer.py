@@ -1,0 +1,355 @@
+"""``Trainer``: one training run's parts, built once, and ``fit()``, the spec's update loop.
+
+One attempted update, in the spec's order: reset QK observations → schedule LR for
+``step + 1`` on every group → per microbatch: data, forward under autocast, finite-loss
+check, backward, token count → unscale, clip, ``qk_clip.validate()`` →
+``scaler.step``/``update`` → ``qk_clip.apply()`` after a real step (``reset()`` after a
+skipped one) → clear grads. A successful update then advances ``step`` and runs whatever
+log/evaluation/checkpoint is due (all three on the last step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from k3_qkclip import QKClip
+
+from .callbacks import Callback, Callbacks
+from .checkpoint import TRAINER_POLICY, Checkpointer, Resumed, qk_clip_policy, run_metadata
+from .compiling import CompileClock, prepare_model
+from .config import TrainConfig
+from .contract import ModelContract, check_model
+from .data import DataExhausted, TokenDataLoader, check_vocab_fits
+from .distributed import Parallel
+from .evaluate import evaluate_split
+from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
+from .precision import (
+    autocast,
+    make_grad_scaler,
+    overflow_flag,
+    validate_grad_scaler,
+    validate_master_weights,
+    validate_precision,
+)
+from .schedule import learning_rate_at_step
+from .state import TrainState
+
+MAX_CONSECUTIVE_SKIPS = 32
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Loaders(NamedTuple):
+    """The training stream and the validation split (a plain ``(train, val)`` tuple too)."""
+
+    train: TokenDataLoader
+    val: TokenDataLoader
+
+
+class _Attempt(NamedTuple):
+    """What one attempted update produced."""
+
+    step: int
+    lr: float
+    loss: float
+    tokens: int
+    grad_norm: float
+    skipped: bool
+
+
+class Trainer:
+    """A training run: model, optimizer, loaders, config and parallel setup, held together.
+
+    ``model`` is the unwrapped model (or the FSDP2-sharded one); under DDP the forward runs
+    on ``parallel.module``. ``checkpoint_path`` (None: never saved) is rewritten atomically
+    on checkpoint steps; :attr:`checkpointer` also resumes from it. ``callbacks`` observe
+    the run (:class:`~k3_trainer.Callback`); a stateful one is checkpointed with the rest.
+    ``grad_scaler`` replaces the precision's scaler; it must fit the precision (enabled for
+    fp16 only), except :class:`~k3_trainer.FP16SkipHarness`, the named way to exercise the
+    FP16 skip path in fp32 on CPU. ``diagnostics`` (default True) adds MoE routing
+    statistics and the QK-Clip summary to each log window.
+
+    Data parallel: the logged loss and the finite-loss check use the mean over ranks,
+    tokens count every rank, QK-Clip maxima and FP16 found-inf are reduced over ranks, and
+    the checkpoint is written by rank 0 (DDP) or by every rank's shards (FSDP2). The
+    loaders must read this rank's rows.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loaders: tuple[TokenDataLoader, TokenDataLoader], config: TrainConfig, *,
+                 parallel: Parallel | None = None, checkpoint_path: str | Path | None = None,
+                 callbacks: Iterable[Callback] = (),
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        self.contract: ModelContract = check_model(model)
+        self.model, self.optimizer, self.config, self.parallel = model, optimizer, config, parallel
+        self.loaders = Loaders(*loaders)
+        self.device = parallel.device if parallel is not None else _device_of(model)
+        validate_precision(config.precision, self.device)
+        if grad_scaler is not None:
+            validate_grad_scaler(grad_scaler, config.precision)
+        validate_master_weights(model, config.precision)
+        vocab = self.contract.vocab_size
+        if vocab is not None:
+            check_vocab_fits(self.loaders.train, vocab)
+        self.forward = parallel.module if parallel is not None and parallel.module else model
+        self.world = parallel.world_size if parallel is not None else 1
+        self.scaler = grad_scaler or make_grad_scaler(self.device, config.precision)
+        self.callbacks = Callbacks(callbacks)
+        self.diagnostics = True
+        self.profiler = TrainingProfiler(self.device)
+        self.state = TrainState()
+        if config.overfit_batch:
+            train = self.loaders.train
+            self.state.fixed_batch_limit = train.num_tokens - train.tokens_per_batch - 1
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path is not None else None
+        self.checkpointer = Checkpointer(self.states(),
+                                         run_metadata(self.contract, config, parallel),
+                                         TRAINER_POLICY, parallel)
+
+    def states(self) -> dict[str, Any]:
+        """Everything a checkpoint saves and restores: the one place to add a stateful part
+        of the run (a stateful callback adds itself under ``callbacks``)."""
+        states: dict[str, Any] = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "counters": self.state,
+            "grad_scaler": self.state.grad_scaler(),
+            "loaders": {"train": self.loaders.train, "val": self.loaders.val},
+        }
+        if self.callbacks.states():
+            states["callbacks"] = self.callbacks.states()
+        return states
+
+    def resume(self, path: str | Path, *, allow_runtime_change: bool = False) -> Resumed:
+        """Restore the run from the checkpoint at ``path`` (see :meth:`Checkpointer.load`):
+        :attr:`state` then holds the saved counters."""
+        return self.checkpointer.load(path, allow_runtime_change=allow_runtime_change)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def fit(self) -> TrainState:
+        """Train until ``state.step == config.max_steps``; returns the final counters."""
+        config = self.config
+        prepare_model(self.model, config)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled() and self.state.grad_scaler_state is not None:
+            self.scaler.load_state_dict(self.state.grad_scaler_state)
+        self._fixed_batch: Batch | None = None
+        if config.overfit_batch and self.state.fixed_batch_offset is not None:
+            self._fixed_batch = _to_device(
+                self.loaders.train.batch_at(self.state.fixed_batch_offset), self.device)
+        self.window = TrainingWindow(self.device, precision=config.precision,
+                                     flops_per_token=self.contract.flops_per_token(config.seq_len))
+        self.moe = MoEDiagnostics(self.contract, enabled=self.diagnostics)
+        qk_reduce = self.parallel.max_ if self.parallel is not None else None
+        compile_clock = CompileClock()
+        consecutive_skips = 0
+        with self.profiler, self.moe, compile_clock, \
+                QKClip(self.model, qk_clip_policy(config), reduce_max=qk_reduce) as qk_clip:
+            self._event("session_start", step=self.state.step,
+                        tokens_seen=self.state.tokens_seen, max_steps=config.max_steps,
+                        precision=config.precision, device=str(self.device),
+                        compile=config.compile,
+                        activation_checkpointing=config.activation_checkpointing)
+            while self.state.step < config.max_steps:
+                attempt = self._attempt(qk_clip)
+                if attempt.skipped:
+                    consecutive_skips += 1
+                    self._skipped(attempt, consecutive_skips)
+                    continue
+                consecutive_skips = 0
+                self._succeeded(attempt)
+                self._boundary()
+        self.state.grad_scaler_state = (self.scaler.state_dict() if self.scaler.is_enabled()
+                                        else None)
+        self._event("session_end", step=self.state.step, tokens_seen=self.state.tokens_seen,
+                    skipped_updates=self.state.skipped_updates,
+                    compile_s=round(compile_clock.seconds, 3), **self.profiler.summary())
+        return self.state
+
+    def _attempt(self, qk_clip: QKClip) -> _Attempt:
+        """One attempted update for successful step ``state.step + 1``, in the spec's order."""
+        config, profiler, scaler = self.config, self.profiler, self.scaler
+        step = self.state.step + 1
+        self.callbacks.attempt_start(self, step)
+        qk_clip.reset()
+        lr = learning_rate_at_step(config, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, tokens = 0.0, 0
+
+        for _ in range(config.gradient_accumulation_steps):
+            with profiler.region("train/data"):
+                x, y = self._training_batch()
+            with profiler.region("train/forward"):
+                with autocast(self.device, config.precision):
+                    _, loss = self.forward(x, targets=y)
+                value = loss.item() if self.parallel is None else self.parallel.mean_item(loss)
+            if not math.isfinite(value):
+                raise FloatingPointError(f"Non-finite training loss at step {step}")
+            with profiler.region("train/backward"):
+                scaler.scale(loss / config.gradient_accumulation_steps).backward()
+            loss_sum += value / config.gradient_accumulation_steps
+            tokens += y.numel() * self.world
+            self.state.tokens_seen += y.numel() * self.world
+
+        with profiler.region("train/optimizer"):
+            scaler.unscale_(self.optimizer)
+            if self.parallel is not None:
+                self.parallel.sync_found_inf(scaler, self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), config.max_grad_norm or float("inf"))
+            if self.parallel is not None and hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()  # FSDP2: the norm of every rank's shards
+            # The update's one host read: pre-clip norm, QK observations' finiteness and
+            # the scaler's found-inf, together (see _host_values).
+            grad_norm, qk_nonfinite, overflow = _host_values(
+                norm, qk_clip.nonfinite(), overflow_flag(scaler, self.optimizer))
+            if not scaler.is_enabled() and not math.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"Non-finite gradient norm at step {step} (the loss was finite: "
+                    f"{loss_sum:.6g}); lower the LR or max_grad_norm, or check the data")
+            qk_clip.validate(qk_nonfinite)
+            scaler.step(self.optimizer)
+            scaler.update()
+            # The spec's "the scale dropped": GradScaler.update() multiplies the scale by
+            # backoff_factor (< 1) exactly when unscale_ found an inf/NaN, which is also
+            # exactly when scaler.step skipped the optimizer. Reading found-inf with the
+            # norm spares the two get_scale() syncs; the scaler state is read when a
+            # checkpoint or the session end needs it.
+            with profiler.region("train/qk_clip"):
+                if overflow:
+                    qk_clip.reset()
+                else:
+                    report = qk_clip.apply()
+                    if self.diagnostics:
+                        self.window.add_qk(report)
+            self.optimizer.zero_grad(set_to_none=True)
+        profiler.attempt_done()
+        self.callbacks.attempt_end(self, step)
+        return _Attempt(step, lr, loss_sum, tokens, grad_norm, overflow)
+
+    def _skipped(self, attempt: _Attempt, consecutive: int) -> None:
+        """An FP16 overflow skipped the update: count it; the same step is tried again with
+        the next data."""
+        self.state.skipped_updates += 1
+        self.window.skipped += 1
+        self.state.grad_scaler_state = self.scaler.state_dict()
+        self._event("overflow", step=attempt.step, scale=self.scaler.get_scale(),
+                    skipped_updates=self.state.skipped_updates,
+                    tokens_seen=self.state.tokens_seen)
+        if consecutive >= MAX_CONSECUTIVE_SKIPS:
+            raise FloatingPointError(
+                f"{MAX_CONSECUTIVE_SKIPS} consecutive FP16 overflows at step {attempt.step}: "
+                "the loss scale cannot recover; lower the LR or use bf16")
+
+    def _succeeded(self, attempt: _Attempt) -> None:
+        self.state.step = attempt.step
+        self.window.add(attempt.loss, attempt.tokens, attempt.grad_norm, attempt.lr)
+        self.callbacks.step_end(self, {"loss": attempt.loss, "lr": attempt.lr,
+                                       "grad_norm": attempt.grad_norm,
+                                       "tokens_per_s": self.window.tokens_per_s(self.profiler)})
+
+    # --- the auxiliary boundary -------------------------------------------------------------
+
+    def _boundary(self) -> None:
+        """Logging, evaluation and checkpointing due at this successful step (all on the
+        last)."""
+        step, config = self.state.step, self.config
+        final = step == config.max_steps
+        if final or step % config.log_interval == 0:
+            self.log_window()
+        if final or step % config.eval_interval == 0:
+            self.evaluate()
+        if self.checkpoint_path is not None and (final or step % config.checkpoint_interval == 0):
+            self.save_checkpoint()
+
+    def log_window(self) -> None:
+        """Report the log window's summary (``train`` event) and start a new window."""
+        with self.profiler.region("log"):
+            self._event("train", step=self.state.step, tokens_seen=self.state.tokens_seen,
+                        skipped_updates=self.state.skipped_updates,
+                        **self.window.summary(self.profiler), **self.moe.summary())
+            self.window.reset(self.profiler)
+
+    def evaluate(self) -> None:
+        """Evaluate the fixed validation prefix (``eval`` event)."""
+        with self.profiler.region("eval"):
+            result = evaluate_split(
+                self.model, self.loaders.val, self.device, self.config.eval_batches,
+                self.config.precision,
+                all_reduce=self.parallel.sum_ if self.parallel is not None else None)
+        self._event("eval", step=self.state.step, val_loss=result.loss, val_bpb=result.bpb,
+                    tokens_seen=self.state.tokens_seen)
+
+    def save_checkpoint(self) -> str:
+        """Write the checkpoint at this update boundary (``checkpoint`` event); returns its
+        digest."""
+        assert self.checkpoint_path is not None, "this trainer has no checkpoint_path"
+        with self.profiler.region("checkpoint"):
+            self.state.grad_scaler_state = (self.scaler.state_dict()
+                                            if self.scaler.is_enabled() else None)
+            digest = self.checkpointer.save(self.checkpoint_path, step=self.state.step)
+        self._event("checkpoint", step=self.state.step, path=str(self.checkpoint_path),
+                    digest=digest)
+        return digest
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _event(self, name: str, **fields: Any) -> None:
+        self.callbacks.event(self, event_record(name, **fields))
+
+    def _training_batch(self) -> Batch:
+        """The next training batch, or the fixed overfit batch (if that mode is on).
+
+        An exhausted loader is reset to offset zero here (discarding the incomplete tail);
+        the loader itself never wraps. Overfit mode picks the batch at the cursor once,
+        records its offset in ``state``, and rereads it without moving the cursor.
+        """
+        train = self.loaders.train
+        if self.config.overfit_batch:
+            if self._fixed_batch is None:
+                if self.state.fixed_batch_offset is None:
+                    self.state.fixed_batch_offset = train.offset
+                self._fixed_batch = _to_device(train.batch_at(self.state.fixed_batch_offset),
+                                               self.device)
+            return self._fixed_batch
+        try:
+            batch = train.next_batch()
+        except DataExhausted:
+            train.reset()
+            batch = train.next_batch()
+        return _to_device(batch, self.device)
+
+
+def _host_values(norm: torch.Tensor, qk_nonfinite: torch.Tensor | None,
+                 overflow: torch.Tensor | None) -> tuple[float, bool, bool]:
+    """``(grad_norm, qk_nonfinite, overflow)`` on the host in one device→host copy.
+
+    Per update the loop syncs once per microbatch (the spec's finite-loss check) and once
+    here; everything else (QK statistics, MoE routing counts) stays on the device until
+    a logging boundary reads it.
+    """
+    parts = [norm.detach().float().reshape(1)]
+    for flag in (qk_nonfinite, overflow):
+        if flag is not None:
+            parts.append(flag.to(parts[0].device, torch.float32).reshape(1))
+    values = torch.cat(parts).tolist()
+    qk = bool(values[1]) if qk_nonfinite is not None else False
+    inf = bool(values[-1]) if overflow is not None else False
+    return values[0], qk, inf
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    x, y = batch
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
