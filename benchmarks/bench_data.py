@@ -40,7 +40,7 @@ from functools import partial
 from pathlib import Path
 
 from common import print_table, write_json
-from k3_trainer import prepare_dataset
+from k3_trainer import PrepareOptions, prepare_dataset
 from k3_trainer.data.prepare import builtin_corpus, default_workers
 from k3_trainer.data.tokenizer import HFCodec, train_bpe
 
@@ -50,9 +50,10 @@ TARGET = 0.8
 # pages it shares with the main process after fork.
 RSS_CHILD = """
 import json, resource, sys
-from k3_trainer import prepare_dataset
+from k3_trainer import PrepareOptions, prepare_dataset
 if sys.argv[1] != "import-only":
-    prepare_dataset([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], workers=int(sys.argv[4]))
+    prepare_dataset([sys.argv[1]], sys.argv[2],
+                    PrepareOptions(tokenizer=sys.argv[3], workers=int(sys.argv[4])))
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 main = int(status["VmHWM"].split()[0])
 children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -126,7 +127,7 @@ def main() -> None:
 
         def run_pipeline(workers: int) -> None:
             out = root / f"out{workers}"
-            prepare_dataset([corpus], out, tokenizer=tokenizer, workers=workers)
+            prepare_dataset([corpus], out, PrepareOptions(tokenizer=tokenizer, workers=workers))
             shutil.rmtree(out)
 
         cases: dict[str, Callable[[], None]] = {

@@ -11,7 +11,7 @@ import torch
 from trainer_helpers import SMALL_MODEL
 
 from k3_model import K3Model
-from k3_trainer import TokenDataLoader, evaluate, prepare_dataset
+from k3_trainer import PrepareOptions, TokenDataLoader, evaluate, prepare_dataset
 from k3_trainer.cli import main
 from k3_trainer.data import load_codec
 from k3_trainer.evaluate import evaluate_split
@@ -28,7 +28,8 @@ def bpe_data(tmp_path_factory):
     lines = [json.dumps({"text": " ".join(WORDS[(i * 7 + j) % 12] for j in range(5 + i % 30))})
              for i in range(200)]
     (root / "c.jsonl").write_text("\n".join(lines) + "\n")
-    prepare_dataset([root / "c.jsonl"], root / "data", train_tokenizer=300, val_fraction=0.25)
+    prepare_dataset([root / "c.jsonl"], root / "data",
+                    PrepareOptions(train_tokenizer=300, val_fraction=0.25))
     return root / "data"
 
 

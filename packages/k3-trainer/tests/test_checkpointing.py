@@ -108,7 +108,9 @@ def test_save_refuses_live_gradients(data_dir, tmp_path):
     assert not (tmp_path / "ck.pt").exists() and not (tmp_path / "ck.pt.tmp").exists()
 
 
-def test_evaluate_is_token_weighted_and_changes_nothing(data_dir):
+def test_evaluate_reads_the_fixed_prefix_and_changes_nothing(data_dir):
+    """(Token weighting against unequal batches: test_evaluate.py.) Every batch here scores
+    the same number of targets, so the token-weighted mean is the mean of batch losses."""
     config = train_config()
     model, _, _, vl = build(config, data_dir)
     model.train()

@@ -10,6 +10,7 @@ import torch
 from k3_trainer import (
     DataError,
     DataExhausted,
+    PrepareOptions,
     TokenDataLoader,
     builtin_corpus,
     prepare_dataset,
@@ -23,7 +24,7 @@ def corpus(tmp_path):
     src = tmp_path / "text.txt"
     src.write_text(text)
     out = tmp_path / "data"
-    prepare_dataset([src], out, val_fraction=0.1, shard_tokens=1024)
+    prepare_dataset([src], out, PrepareOptions(val_fraction=0.1, shard_tokens=1024))
     return out, np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
 
 

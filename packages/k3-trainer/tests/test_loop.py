@@ -13,6 +13,7 @@ from k3_trainer import (
     ConfigError,
     FP16SkipHarness,
     MetricsLog,
+    PrepareOptions,
     Trainer,
     learning_rate_at_step,
 )
@@ -235,7 +236,7 @@ def test_an_exhausted_training_loader_restarts_from_offset_zero(tmp_path):
 
     text = tmp_path / "small.txt"
     text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(60)))
-    prepare_dataset([str(text)], tmp_path / "data", val_fraction=0.2)
+    prepare_dataset([str(text)], tmp_path / "data", PrepareOptions(val_fraction=0.2))
     config = train_config(batch_size=4, seq_len=32, max_steps=1)
     model, opt, tl, vl = build(config, tmp_path / "data")
     batches = (tl.num_tokens - 1) // tl.tokens_per_batch

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from trainer_helpers import small_toml
 
-from k3_trainer import DataError, TokenDataLoader, prepare_dataset, read_manifest
+from k3_trainer import DataError, PrepareOptions, TokenDataLoader, prepare_dataset, read_manifest
 from k3_trainer.cli import main
 from k3_trainer.data import BytesCodec, HFCodec, load_codec
 from k3_trainer.data import prepare as prepare_module
@@ -62,7 +62,7 @@ def test_each_record_format_yields_its_documents_in_order(kind, tmp_path):
         pa = pytest.importorskip("pyarrow")
         pq = pytest.importorskip("pyarrow.parquet")
         pq.write_table(pa.table({"id": list(range(30)), "text": DOCS}), path, row_group_size=7)
-    prepare_dataset([path], tmp_path / "data", val_fraction=0.1)
+    prepare_dataset([path], tmp_path / "data", PrepareOptions(val_fraction=0.1))
     train, manifest = _documents(tmp_path / "data")
     val, _ = _documents(tmp_path / "data", "val")
     # every 10th document (9, 19, 29) is validation; the rest are training, in order
@@ -87,7 +87,8 @@ def test_a_folder_mixing_formats_is_read_recursively_in_sorted_order(tmp_path):
         import pyarrow as pa
         import pyarrow.parquet as pq
         pq.write_table(pa.table({"content": ["parquet row"]}), corpus / "b" / "e.parquet")
-    prepare_dataset([corpus], tmp_path / "data", text_field="content", val_fraction=0.5)
+    prepare_dataset([corpus], tmp_path / "data",
+                    PrepareOptions(text_field="content", val_fraction=0.5))
     manifest = read_manifest(tmp_path / "data")
     names = [f["path"].split("/corpus/")[1] for f in manifest["source"]["files"]]
     assert names[:3] == ["a.txt", "b/c.jsonl.gz", "b/d.jsonl"] and names[-1] == "notes.md"
@@ -191,13 +192,14 @@ def test_tokenizer_options_are_checked(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("some text " * 50)
     with pytest.raises(DataError, match="at least 258"):
-        prepare_dataset([text], tmp_path / "d", train_tokenizer=100)
+        prepare_dataset([text], tmp_path / "d", PrepareOptions(train_tokenizer=100))
     with pytest.raises(DataError, match="choose one"):
-        prepare_dataset([text], tmp_path / "d", train_tokenizer=300, tokenizer="x.json")
+        prepare_dataset([text], tmp_path / "d",
+                        PrepareOptions(train_tokenizer=300, tokenizer="x.json"))
     with pytest.raises(DataError, match=r"tokenizer .*missing.json not found"):
-        prepare_dataset([text], tmp_path / "d", tokenizer=tmp_path / "missing.json")
+        prepare_dataset([text], tmp_path / "d", PrepareOptions(tokenizer=tmp_path / "missing.json"))
     with pytest.raises(DataError, match="val_fraction"):
-        prepare_dataset([text], tmp_path / "d", val_fraction=0.7)
+        prepare_dataset([text], tmp_path / "d", PrepareOptions(val_fraction=0.7))
     assert not (tmp_path / "d").exists()
 
 
@@ -211,7 +213,7 @@ def jsonl_corpus(tmp_path):
 
 def test_tokenizer_training_is_deterministic(jsonl_corpus, tmp_path):
     for name in ("a", "b"):
-        prepare_dataset([jsonl_corpus], tmp_path / name, train_tokenizer=300)
+        prepare_dataset([jsonl_corpus], tmp_path / name, PrepareOptions(train_tokenizer=300))
     a, b = tmp_path / "a", tmp_path / "b"
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     assert (a / "manifest.json").read_bytes() == (b / "manifest.json").read_bytes()
@@ -223,7 +225,7 @@ def test_tokenizer_training_is_deterministic(jsonl_corpus, tmp_path):
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
 def test_round_trip_decodes_the_first_document(tokenizer, jsonl_corpus, tmp_path):
     options = {"train_tokenizer": 320} if tokenizer == "bpe" else {}
-    prepare_dataset([jsonl_corpus], tmp_path / "d", **options)
+    prepare_dataset([jsonl_corpus], tmp_path / "d", PrepareOptions(**options))
     train, manifest = _documents(tmp_path / "d")
     assert train[0] == DOCS[0] and train[1] == DOCS[1]
     stats = manifest["split_stats"]
@@ -235,17 +237,18 @@ def test_round_trip_decodes_the_first_document(tokenizer, jsonl_corpus, tmp_path
 
 
 def test_an_existing_tokenizer_file_is_used_and_copied(jsonl_corpus, tmp_path):
-    prepare_dataset([jsonl_corpus], tmp_path / "trained", train_tokenizer=300)
+    prepare_dataset([jsonl_corpus], tmp_path / "trained", PrepareOptions(train_tokenizer=300))
     source = tmp_path / "tok.json"
     source.write_bytes((tmp_path / "trained" / "tokenizer.json").read_bytes())
-    prepare_dataset([jsonl_corpus], tmp_path / "reused", tokenizer=source)
+    prepare_dataset([jsonl_corpus], tmp_path / "reused", PrepareOptions(tokenizer=source))
     for name in ("train_00000.npy", "val_00000.npy", "tokenizer.json"):
         assert (tmp_path / "reused" / name).read_bytes() == \
             (tmp_path / "trained" / name).read_bytes()
     assert isinstance(load_codec(tmp_path / "reused", read_manifest(tmp_path / "reused")),
                       HFCodec)
     with pytest.raises(DataError, match=r"no end-of-document token.*--eod-token"):
-        prepare_dataset([jsonl_corpus], tmp_path / "x", tokenizer=source, eod_token="<eos>")
+        prepare_dataset([jsonl_corpus], tmp_path / "x",
+                        PrepareOptions(tokenizer=source, eod_token="<eos>"))
 
 
 def test_shards_are_the_same_bytes_for_1_and_4_workers(jsonl_corpus, tmp_path, monkeypatch):
@@ -253,8 +256,8 @@ def test_shards_are_the_same_bytes_for_1_and_4_workers(jsonl_corpus, tmp_path, m
     folders = []
     for workers in (1, 4):
         out = tmp_path / f"w{workers}"
-        prepare_dataset([jsonl_corpus], out, train_tokenizer=300, shard_tokens=700,
-                        workers=workers)
+        prepare_dataset([jsonl_corpus], out,
+                        PrepareOptions(train_tokenizer=300, shard_tokens=700, workers=workers))
         folders.append(out)
     files = sorted(p.name for p in folders[0].iterdir())
     assert len([f for f in files if f.startswith("train_")]) > 3
@@ -264,7 +267,7 @@ def test_shards_are_the_same_bytes_for_1_and_4_workers(jsonl_corpus, tmp_path, m
 
 
 def test_a_long_text_file_is_read_in_pieces_as_one_document(tmp_path, monkeypatch):
-    monkeypatch.setattr("k3_trainer.sources.PIECE_BYTES", 64)
+    monkeypatch.setattr("k3_trainer.data.sources.PIECE_BYTES", 64)
     text = "".join(f"line {i} of a long file\n" for i in range(200))
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "blank.txt").write_text("\n\n  \n" * 40)
@@ -282,7 +285,7 @@ def test_a_long_text_file_is_read_in_pieces_as_one_document(tmp_path, monkeypatc
 
 def test_a_tampered_tokenizer_is_refused_by_the_loader(jsonl_corpus, tmp_path):
     data = tmp_path / "d"
-    prepare_dataset([jsonl_corpus], data, train_tokenizer=300)
+    prepare_dataset([jsonl_corpus], data, PrepareOptions(train_tokenizer=300))
     TokenDataLoader(data, "train", 2, 16)
     tokenizer = data / "tokenizer.json"
     tokenizer.chmod(0o644)
@@ -298,7 +301,7 @@ def test_a_tampered_tokenizer_is_refused_by_the_loader(jsonl_corpus, tmp_path):
 
 def test_a_tampered_tokenizer_refuses_the_resume(jsonl_corpus, tmp_path, capsys):
     data, run = tmp_path / "d", tmp_path / "run"
-    prepare_dataset([jsonl_corpus], data, train_tokenizer=300)
+    prepare_dataset([jsonl_corpus], data, PrepareOptions(train_tokenizer=300))
     config = tmp_path / "c.toml"
     config.write_text(SMALL_RUN)
     code, _, err = _cli(["train", "--run-dir", run, "--data", data, "--config", config,
@@ -327,19 +330,19 @@ def test_an_old_format_dataset_asks_to_prepare_again(tmp_path):
 
 def test_the_byte_tokenizer_keeps_256_ids_with_0xff_between_documents(tmp_path):
     path = _jsonl(tmp_path / "c.jsonl", [{"text": "ab"}, {"text": "ü"}])
-    prepare_dataset([path], tmp_path / "d", val_fraction=0.5)
+    prepare_dataset([path], tmp_path / "d", PrepareOptions(val_fraction=0.5))
     assert np.load(tmp_path / "d" / "train_00000.npy").tolist() == [97, 98]
-    prepare_dataset([path, path], tmp_path / "e", val_fraction=0.5)
+    prepare_dataset([path, path], tmp_path / "e", PrepareOptions(val_fraction=0.5))
     assert np.load(tmp_path / "e" / "train_00000.npy").tolist() == [97, 98, 255, 97, 98]
     assert BytesCodec().decode([97, 255, 195, 188]) == "aü"
 
 
 def test_the_tokenizer_sample_limits_what_the_tokenizer_learns(jsonl_corpus, tmp_path):
-    full = prepare_dataset([jsonl_corpus], tmp_path / "full", train_tokenizer=600)
-    sampled = prepare_dataset([jsonl_corpus], tmp_path / "sampled", train_tokenizer=600,
-                              tokenizer_sample_mb=len(DOCS[0]) / 1e6)  # the first document
+    full = prepare_dataset([jsonl_corpus], tmp_path / "full", PrepareOptions(train_tokenizer=600))
+    sampled = prepare_dataset([jsonl_corpus], tmp_path / "sampled", PrepareOptions(
+        train_tokenizer=600, tokenizer_sample_mb=len(DOCS[0]) / 1e6))  # the first document
     assert sampled["vocab_size"] < full["vocab_size"]
     assert sampled["tokenizer"]["trained"]["sample_mb"] == len(DOCS[0]) / 1e6
     assert sampled["records"] == full["records"]  # the sample never changes what is prepared
     with pytest.raises(DataError, match="only with --train-tokenizer"):
-        prepare_dataset([jsonl_corpus], tmp_path / "x", tokenizer_sample_mb=1.0)
+        prepare_dataset([jsonl_corpus], tmp_path / "x", PrepareOptions(tokenizer_sample_mb=1.0))

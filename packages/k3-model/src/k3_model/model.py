@@ -29,6 +29,7 @@ from .attn_res import ResidualRead, inverse_rms
 from .balancer import QuantileBalancer
 from .checkpointing import CheckpointMode, check_mode, checkpointed
 from .config import K3Config
+from .flops import flops_per_token
 from .kda import KimiDeltaAttention
 from .loss import chunked_cross_entropy
 from .mlp import GatedMLP
@@ -273,6 +274,11 @@ class K3Model(nn.Module):
         for module in self.modules():
             if isinstance(module, QuantileBalancer):
                 module.token_gather = gather
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at ``seq_len`` (:func:`k3_model.flops_per_token`), for
+        the trainer's MFU."""
+        return flops_per_token(self.config, seq_len)
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE layers by module name (``layers.<i>.mlp``), in depth order."""

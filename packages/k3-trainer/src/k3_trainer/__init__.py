@@ -10,6 +10,7 @@ from .contract import K3TrainerModel, ModelContract, TrainableModel, check_model
 from .data import (
     DataError,
     DataExhausted,
+    PrepareOptions,
     TokenDataLoader,
     builtin_corpus,
     prepare_dataset,
@@ -53,6 +54,7 @@ __all__ = [
     "MetricsLog",
     "MoEDiagnostics",
     "ModelContract",
+    "PrepareOptions",
     "ProfilerWindow",
     "ProgressBar",
     "Report",

@@ -23,7 +23,7 @@ from k3_checkpoint import CheckpointError
 
 from .config import ConfigError, TrainConfig
 from .data import DataError
-from .data.prepare import DEFAULT_SHARD_TOKENS
+from .data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, default_workers
 from .distributed import MODES, launched_by_torchrun, prog_name, torchrun_command
 from .runner import (
     RunError,
@@ -230,11 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     who = prog_name()
     try:
         if args.command == "prepare":
-            return run_prepare(args.inputs, args.out, val_fraction=args.val_fraction,
-                               tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer,
-                               tokenizer_sample_mb=args.tokenizer_sample,
-                               text_field=args.text_field, eod_token=args.eod_token,
-                               workers=args.workers, shard_tokens=args.shard_tokens)
+            return run_prepare(args.inputs, args.out, PrepareOptions(
+                val_fraction=args.val_fraction, tokenizer=args.tokenizer,
+                train_tokenizer=args.train_tokenizer,
+                tokenizer_sample_mb=args.tokenizer_sample, text_field=args.text_field,
+                eod_token=args.eod_token, workers=args.workers or default_workers(),
+                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS))
         if args.command == "sample":
             sampling = Sampling(args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, seed=args.seed)

@@ -54,7 +54,7 @@ def prepare_model(model: nn.Module, config: TrainConfig) -> None:
     state dict alone.
 
     Idempotent, so a data-parallel session can prepare the model before wrapping it (the
-    recommended order) and ``train()`` can prepare it again: a region compiled already is
+    recommended order) and ``Trainer.fit()`` can prepare it again: a region compiled already is
     left alone, keeping the compiled call (and its dynamo cache) it was given first.
     """
     contract = read_contract(model)

@@ -102,7 +102,7 @@ class FP16SkipHarness(torch.amp.GradScaler):
 
     FP16 itself is refused on CPU, yet its skip path (scale, unscale, a dropped scale, a
     skipped update that still consumed data, the GradScaler state in checkpoints) must be
-    testable there. ``train()`` accepts this scaler, and only this one, with
+    testable there. ``Trainer`` accepts this scaler, and only this one, with
     ``precision="fp32"``: the arithmetic stays fp32 while the scaler behaves as under FP16
     (inject an infinite gradient to make it skip). It is a harness for tests and fault
     drills, named so that no other scaler slips past the precision checks.
@@ -117,7 +117,7 @@ class FP16SkipHarness(torch.amp.GradScaler):
 
 
 def validate_grad_scaler(scaler: torch.amp.GradScaler, precision: str) -> None:
-    """A scaler passed to ``train()`` must fit the precision: enabled exactly for fp16, or
+    """A scaler passed to ``Trainer`` must fit the precision: enabled exactly for fp16, or
     the named :class:`FP16SkipHarness` with fp32. Anything else would train a different
     recipe than the config (and the checkpoint) says."""
     if precision == "fp16" and not scaler.is_enabled():

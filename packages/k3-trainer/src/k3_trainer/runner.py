@@ -36,12 +36,12 @@ from .config import ConfigError, TrainConfig
 from .contract import check_model
 from .data import TokenDataLoader, check_vocab_fits, load_codec
 from .data.loader import MANIFEST_FORMAT
-from .data.prepare import DEFAULT_SHARD_TOKENS, default_workers, describe_prepared, prepare_dataset
+from .data.prepare import PrepareOptions, describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
 from .evaluate import evaluate_split
 from .observe import MetricsLog, ProfilerWindow, ProgressBar, Report, TensorBoard
 from .observe.report import require_matplotlib, write_report
-from .observe.run import read_run_record, write_run_record
+from .observe.run import Session, read_run_record, write_run_record
 from .optim import build_optimizer
 from .precision import validate_precision
 from .sample import Sampling, sample_text
@@ -121,12 +121,9 @@ def _read_record(run_dir: Path) -> dict[str, Any]:
     return record
 
 
-def run_prepare(inputs: list[str], out: Path, *, workers: int | None = None,
-                shard_tokens: int | None = None, **options: Any) -> int:
-    """``k3-train prepare``: ``options`` are :func:`prepare_dataset`'s keyword arguments."""
-    manifest = prepare_dataset(inputs, out, workers=workers or default_workers(),
-                               shard_tokens=shard_tokens or DEFAULT_SHARD_TOKENS,
-                               progress=sys.stderr.isatty(), **options)
+def run_prepare(inputs: list[str], out: Path, options: PrepareOptions) -> int:
+    """``k3-train prepare``."""
+    manifest = prepare_dataset(inputs, out, options, progress=sys.stderr.isatty())
     print(describe_prepared(out, manifest))
     return 0
 
@@ -327,14 +324,13 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
     for note in horizon_notes(config, horizon_unset=resolved.horizon_unset):
         print(f"k3-train: note: {note}", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_record(run_dir, train_config=config.to_dict(),
-                     model_config=resolved.model_config.to_dict(),
-                     preset=command.preset or command.toml.get("preset"),
-                     data_dir=str(resolved.data_dir.resolve()),
-                     manifest_digest=trainer.loaders.train.manifest_digest, device=str(device),
-                     resumed_from_step=(trainer.state.step if resolved.resume_from is not None
-                                        else None),
-                     data_parallel=parallel.describe() if parallel is not None else None)
+    write_run_record(run_dir, Session(
+        config.to_dict(), resolved.model_config.to_dict(),
+        preset=command.preset or command.toml.get("preset"),
+        data_dir=str(resolved.data_dir.resolve()),
+        manifest_digest=trainer.loaders.train.manifest_digest, device=str(device),
+        resumed_from_step=trainer.state.step if resolved.resume_from is not None else None,
+        data_parallel=parallel.describe() if parallel is not None else None))
     with MetricsLog(run_dir / METRICS) as metrics:
         observers = _observers(command, metrics)
         trainer.callbacks.extend(observers)

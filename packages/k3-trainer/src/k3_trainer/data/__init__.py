@@ -7,7 +7,13 @@ from .loader import (
     check_vocab_fits,
     read_manifest,
 )
-from .prepare import builtin_corpus, default_workers, describe_prepared, prepare_dataset
+from .prepare import (
+    PrepareOptions,
+    builtin_corpus,
+    default_workers,
+    describe_prepared,
+    prepare_dataset,
+)
 from .tokenizer import BytesCodec, Codec, HFCodec, load_codec
 
 __all__ = [
@@ -16,6 +22,7 @@ __all__ = [
     "DataError",
     "DataExhausted",
     "HFCodec",
+    "PrepareOptions",
     "TokenDataLoader",
     "builtin_corpus",
     "check_vocab_fits",

@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,20 +77,41 @@ def default_workers() -> int:
     return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
-def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path, *,
-                    val_fraction: float = 0.05, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                    overwrite: bool = False, tokenizer: str | Path = "bytes",
-                    train_tokenizer: int | None = None, tokenizer_sample_mb: float | None = None,
-                    text_field: str = "text", eod_token: str | None = None, workers: int = 1,
-                    progress: bool = False) -> dict[str, Any]:
-    """Tokenize ``inputs`` (files or folders; none = the built-in corpus) into ``out_dir``.
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How ``prepare_dataset`` reads, tokenizes and splits a corpus (``k3-train prepare``'s
+    options).
 
     ``tokenizer`` is ``"bytes"`` or the path of a ``tokenizers`` file; ``train_tokenizer``
     trains a byte-level BPE of that vocabulary size on the inputs (the first
-    ``tokenizer_sample_mb`` MB of text, default all). Shards are written to a temporary
-    sibling folder that replaces ``out_dir`` only when complete, so an interrupted prepare
-    never leaves something that looks like a dataset. Returns the manifest.
+    ``tokenizer_sample_mb`` MB of text, default all); ``eod_token`` names the
+    end-of-document token of a given tokenizer (default: a known name); ``text_field`` is
+    the text of JSONL records and Parquet rows; every ``round(1 / val_fraction)``-th
+    document is validation.
     """
+
+    val_fraction: float = 0.05
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    tokenizer: str | Path = "bytes"
+    train_tokenizer: int | None = None
+    tokenizer_sample_mb: float | None = None
+    text_field: str = "text"
+    eod_token: str | None = None
+    workers: int = 1
+
+
+def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path,
+                    options: PrepareOptions | None = None, *, overwrite: bool = False,
+                    progress: bool = False) -> dict[str, Any]:
+    """Tokenize ``inputs`` (files or folders; none = the built-in corpus) into ``out_dir``.
+
+    Shards are written to a temporary sibling folder that replaces ``out_dir`` only when
+    complete, so an interrupted prepare never leaves something that looks like a dataset.
+    Returns the manifest.
+    """
+    options = options if options is not None else PrepareOptions()
+    val_fraction, shard_tokens, workers = (options.val_fraction, options.shard_tokens,
+                                           options.workers)
     out_dir = Path(out_dir)
     if not 0.0 < val_fraction <= 0.5:
         raise DataError(f"val_fraction must be in (0, 0.5], got {val_fraction!r}")
@@ -99,9 +121,8 @@ def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path, *,
         raise DataError(f"workers must be positive, got {workers!r}")
     if out_dir.exists() and not overwrite:
         raise DataError(f"{out_dir} already exists; choose another --out or remove it")
-    corpus = _Corpus(inputs, text_field)
-    codec, origin = _choose_codec(corpus, tokenizer, train_tokenizer, tokenizer_sample_mb,
-                                  eod_token)
+    corpus = _Corpus(inputs, options.text_field)
+    codec, origin = _choose_codec(corpus, options)
     dtype = token_dtype(codec.vocab_size)
     table = codec.token_byte_lengths()
 
@@ -200,8 +221,9 @@ class _Corpus:
              "sha256": file_sha256(f.path), **f.counts.to_dict()} for f in self.files]}
 
 
-def _choose_codec(corpus: _Corpus, tokenizer: str | Path, train_tokenizer: int | None,
-                  sample_mb: float | None, eod_token: str | None) -> tuple[Codec, dict[str, Any]]:
+def _choose_codec(corpus: _Corpus, options: PrepareOptions) -> tuple[Codec, dict[str, Any]]:
+    tokenizer, train_tokenizer = options.tokenizer, options.train_tokenizer
+    sample_mb = options.tokenizer_sample_mb
     if train_tokenizer is not None:
         if str(tokenizer) != "bytes":
             raise DataError("choose one of --tokenizer PATH and --train-tokenizer VOCAB_SIZE")
@@ -212,7 +234,7 @@ def _choose_codec(corpus: _Corpus, tokenizer: str | Path, train_tokenizer: int |
         raise DataError("--tokenizer-sample applies only with --train-tokenizer")
     if str(tokenizer) == "bytes":
         return BytesCodec(), {}
-    return HFCodec.from_file(tokenizer, eod_token), {"source": str(tokenizer)}
+    return HFCodec.from_file(tokenizer, options.eod_token), {"source": str(tokenizer)}
 
 
 def _sample(pieces: Iterator[Piece], limit: int | None) -> Iterator[str]:

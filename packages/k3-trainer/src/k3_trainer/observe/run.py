@@ -8,6 +8,7 @@ import platform
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,22 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
     return record
 
 
-def write_run_record(run_dir: str | Path, *, train_config: dict[str, Any],
-                     model_config: dict[str, Any], preset: str | None, data_dir: str,
-                     manifest_digest: str, device: str, resumed_from_step: int | None,
-                     data_parallel: dict[str, Any] | None = None) -> None:
+@dataclass(frozen=True)
+class Session:
+    """What one session of a run records: the run's resolved configs and data (the latest
+    session's win) and the session's own launch."""
+
+    train_config: dict[str, Any]
+    model_config: dict[str, Any]
+    preset: str | None
+    data_dir: str
+    manifest_digest: str
+    device: str
+    resumed_from_step: int | None = None
+    data_parallel: dict[str, Any] | None = None
+
+
+def write_run_record(run_dir: str | Path, session: Session) -> None:
     """Create or extend ``run.json`` (one entry per session), written atomically."""
     path = Path(run_dir) / RUN_RECORD
     record: dict[str, Any]
@@ -65,14 +78,16 @@ def write_run_record(run_dir: str | Path, *, train_config: dict[str, Any],
         record = read_run_record(run_dir)
     else:
         record = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sessions": []}
-    record.update(train_config=train_config, model_config=model_config, preset=preset,
-                  data={"dir": data_dir, "manifest_digest": manifest_digest})
+    record.update(train_config=session.train_config, model_config=session.model_config,
+                  preset=session.preset,
+                  data={"dir": session.data_dir, "manifest_digest": session.manifest_digest})
+    parallel = session.data_parallel
     record["sessions"].append({
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": sys.argv,
-        "resumed_from_step": resumed_from_step,
-        "device": device,
-        **({"data_parallel": data_parallel} if data_parallel is not None else {}),
+        "resumed_from_step": session.resumed_from_step,
+        "device": session.device,
+        **({"data_parallel": parallel} if parallel is not None else {}),
         "versions": versions(),
         "host": host(),
     })
