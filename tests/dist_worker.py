@@ -20,7 +20,14 @@ from harness import SMALL_MODEL, digest, seed_all, train_config
 
 import k3_checkpoint
 from k3_model import K3Model
-from k3_trainer import FP16SkipHarness, MetricsLog, TokenDataLoader, Trainer, build_optimizer
+from k3_trainer import (
+    Callback,
+    FP16SkipHarness,
+    MetricsLog,
+    TokenDataLoader,
+    Trainer,
+    build_optimizer,
+)
 from k3_trainer.distributed import init_parallel, shutdown
 
 
@@ -41,6 +48,32 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         full = getattr(value, "full_tensor", None)
         out[name] = (full() if callable(full) else value).detach().clone()
     return out
+
+
+class WeightEMA(Callback):
+    """A toy stateful callback, added in one place (``callbacks=[...]``): an exponential
+    moving average of the whole weights, identical on every rank (a sharded parameter is
+    gathered), so the checkpoint keeps it once."""
+
+    name = "ema"
+
+    def __init__(self) -> None:
+        self.shadow: dict[str, torch.Tensor] = {}
+
+    def on_step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+        for name, parameter in trainer.model.named_parameters():
+            whole = getattr(parameter, "full_tensor", None)  # a collective under FSDP2
+            value = (whole() if callable(whole) else parameter).detach().clone()
+            if name in self.shadow:
+                self.shadow[name].mul_(0.5).add_(value, alpha=0.5)
+            else:
+                self.shadow[name] = value
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], /) -> None:
+        self.shadow = {name: tensor.clone() for name, tensor in state.items()}
 
 
 class OverflowOnOneRank(FP16SkipHarness):
@@ -66,6 +99,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--decay-steps", type=int, help="default: --steps")
+    parser.add_argument("--ema", action="store_true", help="add the WeightEMA callback")
     parser.add_argument("--qk-clip-tau", type=float, default=100.0)
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--resume", type=Path)
@@ -77,7 +112,8 @@ def main() -> int:
     rank = parallel.rank if parallel is not None else 0
     world = parallel.world_size if parallel is not None else 1
     config = train_config(batch_size=args.batch_size, max_steps=args.steps,
-                          decay_steps=args.steps, checkpoint_interval=args.steps,
+                          decay_steps=args.decay_steps or args.steps,
+                          checkpoint_interval=args.steps,
                           eval_interval=3, qk_clip_tau=args.qk_clip_tau)
     seed_all(config.seed)
     model = K3Model(SMALL_MODEL)
@@ -97,21 +133,29 @@ def main() -> int:
     if args.resume is not None and args.reject_on_rank == rank:
         # this rank's run differs from the checkpoint
         run_config = train_config(**{**config.to_dict(), "peak_lr": 1e-4})
+    ema = WeightEMA() if args.ema else None
     trainer = Trainer(model, optimizer, loaders, run_config, parallel=parallel,
-                      checkpoint_path=args.checkpoint, callbacks=[log], grad_scaler=scaler)
+                      checkpoint_path=args.checkpoint,
+                      callbacks=[log] if ema is None else [log, ema], grad_scaler=scaler)
     if args.resume is not None:
-        before = digest(full_state(model)), digest(local(optimizer.state_dict()))
+        def fingerprint() -> tuple[str, ...]:
+            return (digest(full_state(model)), digest(local(optimizer.state_dict())),
+                    digest(trainer.state.state_dict()),
+                    digest(ema.state_dict() if ema is not None else None))
+
+        before = fingerprint()
         try:
             trainer.resume(args.resume)
         except k3_checkpoint.CheckpointError as exc:
             result["refused"] = str(exc)
-            result["unchanged"] = before == (digest(full_state(model)),
-                                             digest(local(optimizer.state_dict())))
+            result["unchanged"] = before == fingerprint()
             result["cursors"] = [loader.offset for loader in loaders]
     if "refused" not in result:
         trainer.fit()
         result["events"] = [{k: v for k, v in e.items() if k != "time"} for e in log.events]
     result["weights"] = full_state(model)
+    if ema is not None:
+        result["ema"] = ema.shadow
     result["biases"] = {name: buf.clone() for name, buf in model.named_buffers()
                         if name.endswith("balancer.bias")}
     args.out.mkdir(parents=True, exist_ok=True)

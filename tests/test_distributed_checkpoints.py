@@ -184,6 +184,31 @@ def test_inspect_reads_a_sharded_checkpoint_and_verifies_every_shard(continuous,
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_stateful_callback_is_saved_restored_bitwise_and_rolled_back(parallel, tmp_path,
+                                                                       data_dir):
+    """A toy stateful callback (an EMA of the weights, dist_worker's ``WeightEMA``) is one
+    more list entry: checkpointed with the run, restored so that the resumed run's EMA is
+    bitwise the uninterrupted one's on every rank, and put back by a rank that had accepted
+    a checkpoint another rank refused."""
+    half = STEPS // 2
+    checkpoint = tmp_path / ("checkpoint.dcp" if parallel == "fsdp" else "checkpoint.pt")
+    continuous = _worker(tmp_path / "continuous", data_dir, parallel, "--ema")
+    _worker(tmp_path / "first", data_dir, parallel, "--ema", "--steps", half,
+            "--decay-steps", STEPS, "--checkpoint", checkpoint)
+    saved = read_payload(checkpoint / "k3.ckpt" if parallel == "fsdp" else checkpoint)
+    assert set(saved["callbacks"]["ema"]) == set(continuous[0]["ema"])
+    resumed = _worker(tmp_path / "resumed", data_dir, parallel, "--ema", "--resume", checkpoint)
+    for rank in range(2):
+        assert_bitwise_equal(continuous[rank]["ema"], resumed[rank]["ema"], f"rank {rank} ema")
+        assert_bitwise_equal(continuous[rank]["weights"], resumed[rank]["weights"])
+    refused = _worker(tmp_path / "refused", data_dir, parallel, "--ema", "--resume", checkpoint,
+                      "--reject-on-rank", "1")
+    assert "another rank refused" in refused[0]["refused"]
+    assert refused[0]["unchanged"] and refused[1]["unchanged"]  # the EMA was put back too
+    assert refused[0]["ema"] == {}
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_checkpoint_refused_on_one_rank_changes_no_rank(parallel, tmp_path, data_dir):
     checkpoint = tmp_path / ("checkpoint.dcp" if parallel == "fsdp" else "checkpoint.pt")
     _worker(tmp_path / "first", data_dir, parallel, "--checkpoint", checkpoint)
