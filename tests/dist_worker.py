@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import SMALL_MODEL, digest, seed_all, train_config
+from harness import NARROW_TINY_MODEL, seed_all, train_config, tree_digest
 
 import k3_checkpoint
 from k3_model import K3Model
@@ -116,7 +116,7 @@ def main() -> int:
                           checkpoint_interval=args.steps,
                           eval_interval=3, qk_clip_tau=args.qk_clip_tau)
     seed_all(config.seed)
-    model = K3Model(SMALL_MODEL)
+    model = K3Model(NARROW_TINY_MODEL)
     if parallel is not None:
         model.set_balancer_gather(parallel.gather_rows)
         parallel.wrap(model)
@@ -139,9 +139,9 @@ def main() -> int:
                       callbacks=[log] if ema is None else [log, ema], grad_scaler=scaler)
     if args.resume is not None:
         def fingerprint() -> tuple[str, ...]:
-            return (digest(full_state(model)), digest(local(optimizer.state_dict())),
-                    digest(trainer.state.state_dict()),
-                    digest(ema.state_dict() if ema is not None else None))
+            return (tree_digest(full_state(model)), tree_digest(local(optimizer.state_dict())),
+                    tree_digest(trainer.state.state_dict()),
+                    tree_digest(ema.state_dict() if ema is not None else None))
 
         before = fingerprint()
         try:

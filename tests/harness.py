@@ -35,20 +35,21 @@ DRIVER = TESTS / "cli_driver.py"
 
 # The tiny preset shrunk to a couple of milliseconds per step: MLA attention observed by
 # QK-Clip, one dense layer and one quantile-balanced MoE layer.
-SMALL_OVERRIDES: dict[str, Any] = dict(
+NARROW_TINY_OVERRIDES: dict[str, Any] = dict(
     d_model=32, n_layers=2, n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
     qk_rope_head_dim=8, v_head_dim=8, n_experts=4, moe_d_ff=32, d_ff=64,
 )
-SMALL_MODEL = model_preset("tiny", **SMALL_OVERRIDES)
-SMALL_TRAIN: dict[str, Any] = dict(batch_size=4, seq_len=16, log_interval=1, eval_interval=3,
+NARROW_TINY_MODEL = model_preset("tiny", **NARROW_TINY_OVERRIDES)
+# The [train] fields every harness run starts from (config files and train_config alike).
+BASE_TRAIN: dict[str, Any] = dict(batch_size=4, seq_len=16, log_interval=1, eval_interval=3,
                                    eval_batches=2, peak_lr=3e-3)
 
 
-def toml_text(*, model: Mapping[str, Any] | None = SMALL_OVERRIDES,
+def toml_text(*, model: Mapping[str, Any] | None = NARROW_TINY_OVERRIDES,
               train: Mapping[str, Any] | None = None, preset: str = "tiny") -> str:
     """A ``k3-train --config`` file: the preset, ``[model]`` overrides and ``[train]`` fields."""
     lines = [f'preset = "{preset}"']
-    for table, values in (("model", model), ("train", {**SMALL_TRAIN, **(train or {})})):
+    for table, values in (("model", model), ("train", {**BASE_TRAIN, **(train or {})})):
         if values:
             lines.append(f"[{table}]")
             lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
@@ -206,7 +207,7 @@ class Evil:
 
 
 def train_config(**overrides: Any) -> TrainConfig:
-    return TrainConfig(**{**SMALL_TRAIN, "max_steps": 6, "checkpoint_interval": 3,
+    return TrainConfig(**{**BASE_TRAIN, "max_steps": 6, "checkpoint_interval": 3,
                           **overrides})
 
 
@@ -216,7 +217,8 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(config: TrainConfig, data_dir: Path, model_config=SMALL_MODEL, seed: int | None = None):
+def build_run(config: TrainConfig, data_dir: Path, model_config=NARROW_TINY_MODEL,
+              seed: int | None = None):
     """Seed, then model, optimizer and both loaders, in the order the CLI builds them."""
     seed_all(config.seed if seed is None else seed)
     model = K3Model(model_config)
@@ -226,7 +228,7 @@ def build(config: TrainConfig, data_dir: Path, model_config=SMALL_MODEL, seed: i
     return model, optimizer, train_loader, val_loader
 
 
-def digest(value: Any) -> str:
+def tree_digest(value: Any) -> str:
     """sha256 over a nested structure of tensors and plain values."""
     hasher = hashlib.sha256()
 
@@ -249,22 +251,24 @@ def digest(value: Any) -> str:
     return hasher.hexdigest()
 
 
-def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, loaders) -> dict[str, str]:
+def state_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      loaders) -> dict[str, str]:
     """Hashes of what a refused load must leave alone: weights and buffers, optimizer
     state, loader cursors, and every global RNG."""
     return {
-        "model": digest(model.state_dict()),
-        "optimizer": digest(optimizer.state_dict()),
-        "loaders": digest([loader.state_dict() for loader in loaders]),
-        "rng": digest(capture_rng()),
+        "model": tree_digest(model.state_dict()),
+        "optimizer": tree_digest(optimizer.state_dict()),
+        "loaders": tree_digest([loader.state_dict() for loader in loaders]),
+        "rng": tree_digest(capture_rng()),
     }
 
 
-def moved(config: TrainConfig, data_dir: Path, model_config=SMALL_MODEL, data: Path | None = None):
+def moved(config: TrainConfig, data_dir: Path, model_config=NARROW_TINY_MODEL,
+          data: Path | None = None):
     """A live run that differs from any checkpoint everywhere (one real step, cursors and
     RNG advanced), so that a partial restore would show in its fingerprint."""
-    model, optimizer, train_loader, val_loader = build(config, data or data_dir, model_config,
-                                                       seed=4242)
+    model, optimizer, train_loader, val_loader = build_run(config, data or data_dir,
+                                                           model_config, seed=4242)
     x, y = train_loader.next_batch()
     model(x, targets=y)[1].backward()
     optimizer.step()

@@ -20,7 +20,7 @@ import torch
 from harness import (
     assert_bitwise_equal,
     assert_one_line_error,
-    build,
+    build_run,
     k3_train,
     train_config,
     tree_bytes,
@@ -113,7 +113,7 @@ def test_a_failed_rename_keeps_the_previous_checkpoint(tmp_path, data_dir, small
 def test_library_save_reports_the_oserror_and_keeps_the_previous_file(tmp_path, data_dir,
                                                                        monkeypatch):
     config = train_config(max_steps=2, checkpoint_interval=100)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     trainer = Trainer(model, opt, (tl, vl), config, checkpoint_path=tmp_path / "ck.pt")
     state = trainer.fit()
     before = (tmp_path / "ck.pt").read_bytes()

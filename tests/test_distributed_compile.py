@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from harness import SMALL_MODEL, toml_text, train_config
+from harness import NARROW_TINY_MODEL, toml_text, train_config
 from test_distributed_training import TORCHRUN, _run, needs_torchrun
 
 from k3_model import K3Model
@@ -85,11 +85,11 @@ def test_preparing_twice_keeps_the_first_compiled_call():
     """A session may prepare the model before wrapping it (AC, compile, then shard) and
     ``Trainer.fit()`` prepares it again: the blocks keep their compiled call (nothing runs
     here)."""
-    model = K3Model(SMALL_MODEL)
+    model = K3Model(NARROW_TINY_MODEL)
     config = train_config(compile=True, activation_checkpointing="block")
     prepare_model(model, config)
     first = [region._compiled_call_impl for region in compiled_regions(model)]
-    assert all(call is not None for call in first) and len(first) == SMALL_MODEL.n_layers
+    assert all(call is not None for call in first) and len(first) == NARROW_TINY_MODEL.n_layers
     prepare_model(model, config)
     assert [region._compiled_call_impl for region in compiled_regions(model)] == first
     assert model.activation_checkpointing == "block"

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 from harness import (
-    SMALL_OVERRIDES,
+    NARROW_TINY_OVERRIDES,
     Evil,
     assert_one_line_error,
-    fingerprint,
     forge,
     k3_train,
     moved,
+    state_fingerprint,
     toml_text,
     tree_bytes,
 )
@@ -61,7 +61,7 @@ def base(tmp_path_factory, data_dir, small_toml) -> Base:
     foreign = {}
     for name, model in (("model-config", {"moe_top_k": 1}), ("vocab", {"vocab_size": 512})):
         config = root / f"{name}.toml"
-        config.write_text(toml_text(model={**SMALL_OVERRIDES, **model}))
+        config.write_text(toml_text(model={**NARROW_TINY_OVERRIDES, **model}))
         _run(root / name, data_dir, config)
         foreign[name] = root / name / "checkpoint.pt"
     text = root / "other.txt"
@@ -230,20 +230,20 @@ def test_library_load_refuses_without_mutation(base, tmp_path, case):
     config = TrainConfig.from_dict({**saved["train_config"], "max_steps": 4})
     live = moved(config, base.data_dir, K3Config.from_dict(saved["model_config"]))
     model, optimizer, train_loader, val_loader = live
-    before = fingerprint(model, optimizer, [train_loader, val_loader])
+    before = state_fingerprint(model, optimizer, [train_loader, val_loader])
     match = CASES[case][1]
     if match is None:
         trainer = Trainer(model, optimizer, (train_loader, val_loader), config)
         trainer.resume(run / "checkpoint.pt")
         assert trainer.state.step == 2
-        assert fingerprint(model, optimizer, [train_loader, val_loader]) != before
+        assert state_fingerprint(model, optimizer, [train_loader, val_loader]) != before
         return
     with pytest.raises(CheckpointError) as refused:
         Trainer(model, optimizer, (train_loader, val_loader), config).resume(
             run / "checkpoint.pt")
     assert match in str(refused.value) and "\n" not in str(refused.value)
     assert not base.marker.exists(), "a pickle ran code"
-    assert fingerprint(model, optimizer, [train_loader, val_loader]) == before
+    assert state_fingerprint(model, optimizer, [train_loader, val_loader]) == before
 
 
 def test_a_different_thread_count_is_refused(base, tmp_path):
@@ -271,7 +271,7 @@ def test_a_different_thread_count_is_refused(base, tmp_path):
     config = TrainConfig.from_dict({**saved["train_config"], "max_steps": 4})
     model, optimizer, train_loader, val_loader = moved(
         config, base.data_dir, K3Config.from_dict(saved["model_config"]))
-    before_fp = fingerprint(model, optimizer, [train_loader, val_loader])
+    before_fp = state_fingerprint(model, optimizer, [train_loader, val_loader])
     torch.set_num_threads(threads + 1)
     try:
         with pytest.raises(CheckpointError, match=r"runtime\.num_threads"):
@@ -279,7 +279,7 @@ def test_a_different_thread_count_is_refused(base, tmp_path):
                 run / "checkpoint.pt")
     finally:
         torch.set_num_threads(threads)
-    assert fingerprint(model, optimizer, [train_loader, val_loader]) == before_fp
+    assert state_fingerprint(model, optimizer, [train_loader, val_loader]) == before_fp
 
 
 def test_the_real_command_refuses_a_corrupt_checkpoint_without_traceback(base, tmp_path):

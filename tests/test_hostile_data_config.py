@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from harness import SMALL_TRAIN, toml_text, tree_bytes
+from harness import BASE_TRAIN, toml_text, tree_bytes
 
 from k3_checkpoint import read_payload
 from k3_trainer import ConfigError, DataError, TokenDataLoader, TrainConfig, prepare_dataset
@@ -206,7 +206,7 @@ def test_every_field_has_an_invalid_value_here():
 @pytest.mark.parametrize(("field", "value"), INVALID_VALUES + WRONG_TYPES)
 def test_invalid_train_config_values_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=field):
-        TrainConfig(**{**SMALL_TRAIN, field: value})
+        TrainConfig(**{**BASE_TRAIN, field: value})
 
 
 def test_warmup_must_end_before_the_cosine_decay():

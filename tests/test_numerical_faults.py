@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from harness import Inject, assert_bitwise_equal, build, train_config
+from harness import Inject, assert_bitwise_equal, build_run, train_config
 
 from k3_checkpoint import read_payload
 from k3_model import K3Model
@@ -30,7 +30,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 def _clean_run(config, data_dir, steps):
     """The same run without the fault, stopped after ``steps`` updates."""
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     Trainer(model, opt, (tl, vl), config.replace(max_steps=steps)).fit()
     return model, opt
 
@@ -84,7 +84,7 @@ def test_nan_loss_stops_the_cli_in_one_line_and_the_last_checkpoint_resumes(
 
 def test_nan_loss_names_its_step_and_leaves_a_loadable_checkpoint(tmp_path, data_dir):
     config = train_config(max_steps=6, checkpoint_interval=1)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     trainer = Trainer(Inject(model, calls={5}, kind="nan_loss"), opt, (tl, vl), config,
                       checkpoint_path=tmp_path / "ck.pt")
     state = trainer.state
@@ -94,7 +94,7 @@ def test_nan_loss_names_its_step_and_leaves_a_loadable_checkpoint(tmp_path, data
     clean_model, clean_opt = _clean_run(config, data_dir, 4)
     _assert_same_update_state(model, opt, clean_model, clean_opt)  # step 5 changed nothing
 
-    fresh_model, fresh_opt, ftl, fvl = build(config, data_dir, seed=99)
+    fresh_model, fresh_opt, ftl, fvl = build_run(config, data_dir, seed=99)
     restoring = Trainer(Inject(fresh_model), fresh_opt, (ftl, fvl), config)
     restoring.resume(tmp_path / "ck.pt")
     restored = restoring.state
@@ -106,7 +106,7 @@ def test_nan_loss_names_its_step_and_leaves_a_loadable_checkpoint(tmp_path, data
 def test_non_finite_qk_observation_is_refused_before_any_weight_changes(kind, tmp_path,
                                                                          data_dir):
     config = train_config(max_steps=6, checkpoint_interval=1, qk_clip_tau=0.01)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     trainer = Trainer(Inject(model, calls={3}, kind=kind), opt, (tl, vl), config,
                       checkpoint_path=tmp_path / "ck.pt")
     state = trainer.state
@@ -127,7 +127,7 @@ def _scaler() -> torch.amp.GradScaler:
 
 def test_32_consecutive_skips_raise_and_keep_the_last_checkpoint(tmp_path, data_dir):
     config = train_config(max_steps=6, checkpoint_interval=1)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     trainer = Trainer(Inject(model, calls=set(range(3, 200))), opt, (tl, vl), config,
                       grad_scaler=_scaler(), checkpoint_path=tmp_path / "ck.pt")
     state = trainer.state
@@ -144,7 +144,7 @@ def test_32_consecutive_skips_raise_and_keep_the_last_checkpoint(tmp_path, data_
 
 def test_31_consecutive_skips_recover(data_dir):
     config = train_config(max_steps=4, checkpoint_interval=100)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     state = Trainer(Inject(model, calls=set(range(3, 34))), opt, (tl, vl), config,
                     grad_scaler=_scaler()).fit()
     assert (state.step, state.skipped_updates) == (4, 31)

@@ -20,7 +20,7 @@ import torch
 from harness import (
     Inject,
     assert_bitwise_equal,
-    build,
+    build_run,
     k3_train,
     seed_all,
     toml_text,
@@ -183,7 +183,7 @@ def test_fp16_style_skip_in_the_middle_resumes_bitwise(tmp_path, data_dir):
     8; the split run stops at step 4, between the two skips, and resumes in a fresh model,
     optimizer and scaler restored from the checkpoint."""
     config = train_config(max_steps=6, checkpoint_interval=100, warmup_steps=2, decay_steps=6)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     wrapped = Inject(model, calls={3, 7})
     state_a = Trainer(wrapped, opt, (tl, vl), config, grad_scaler=_scaler(),
                       checkpoint_path=tmp_path / "a.pt").fit()
@@ -191,13 +191,13 @@ def test_fp16_style_skip_in_the_middle_resumes_bitwise(tmp_path, data_dir):
     assert state_a.tokens_seen == 8 * config.tokens_per_update
 
     first = config.replace(max_steps=4)
-    model, opt, tl, vl = build(first, data_dir)
+    model, opt, tl, vl = build_run(first, data_dir)
     state = Trainer(Inject(model, calls={3}), opt, (tl, vl), first, grad_scaler=_scaler(),
                     checkpoint_path=tmp_path / "b.pt").fit()
     assert (state.step, state.skipped_updates) == (4, 1)
     saved_scale = read_payload(tmp_path / "b.pt")["grad_scaler"]["scale"]
 
-    model, opt, tl, vl = build(config, data_dir, seed=77)
+    model, opt, tl, vl = build_run(config, data_dir, seed=77)
     wrapped_b = Inject(model, calls={2})  # the continuous run's attempt 7
     fresh = _scaler(init_scale=2.0**16)  # fit() must overwrite it from the checkpoint
     trainer = Trainer(wrapped_b, opt, (tl, vl), config, grad_scaler=fresh,
@@ -218,17 +218,17 @@ def test_rng_drawing_model_resumes_bitwise(tmp_path, data_dir):
     """A model whose every training forward draws from Python's, NumPy's and torch's global
     generators: only an exact RNG restore continues the same trajectory."""
     config = train_config(max_steps=6, checkpoint_interval=100, warmup_steps=1, decay_steps=6)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_run(config, data_dir)
     Trainer(Inject(model, noise=True), opt, (tl, vl), config,
             checkpoint_path=tmp_path / "a.pt").fit()
     rng_a = capture_rng()
 
     first = config.replace(max_steps=3)
-    model, opt, tl, vl = build(first, data_dir)
+    model, opt, tl, vl = build_run(first, data_dir)
     Trainer(Inject(model, noise=True), opt, (tl, vl), first,
             checkpoint_path=tmp_path / "b.pt").fit()
     shutil.copy(tmp_path / "b.pt", tmp_path / "step3.pt")
-    model, opt, tl, vl = build(config, data_dir, seed=31337)  # a different process's RNG
+    model, opt, tl, vl = build_run(config, data_dir, seed=31337)  # a different process's RNG
     torch.rand(7)
     wrapped = Inject(model, noise=True)
     trainer = Trainer(wrapped, opt, (tl, vl), config, checkpoint_path=tmp_path / "b.pt")
@@ -242,7 +242,7 @@ def test_rng_drawing_model_resumes_bitwise(tmp_path, data_dir):
 
     # Control: the same resume with the restored RNG clobbered ends elsewhere, so the
     # comparison above can fail.
-    model, opt, tl, vl = build(config, data_dir, seed=31337)
+    model, opt, tl, vl = build_run(config, data_dir, seed=31337)
     wrapped = Inject(model, noise=True)
     trainer = Trainer(wrapped, opt, (tl, vl), config, checkpoint_path=tmp_path / "c.pt")
     trainer.resume(tmp_path / "step3.pt")

@@ -267,21 +267,24 @@ def _digest_of(value: Any, hasher: Any) -> None:
         hasher.update(f"V{value!r}".encode())
 
 
-def digest(value: Any) -> str:
+def tree_digest(value: Any) -> str:
+    """sha256 over a nested structure of tensors and plain values."""
     hasher = hashlib.sha256()
     _digest_of(value, hasher)
     return hasher.hexdigest()
 
 
-def fingerprint(run: Run) -> dict[str, str]:
+def run_fingerprint(run: Run) -> dict[str, str]:
     """Hashes of everything a rejected load must not touch."""
     return {
-        "model": digest(run.model.state_dict()),
-        "optimizer": digest(run.optimizer.state_dict()),
-        "loaders": digest({name: loader.state_dict() for name, loader in run.loaders.items()}),
-        "counters": digest(run.counters),
-        "grad_scaler": digest(run.grad_scaler),
-        "rng": digest(capture_rng()),
+        "model": tree_digest(run.model.state_dict()),
+        "optimizer": tree_digest(run.optimizer.state_dict()),
+        "loaders": tree_digest(
+            {name: loader.state_dict() for name, loader in run.loaders.items()}
+        ),
+        "counters": tree_digest(run.counters),
+        "grad_scaler": tree_digest(run.grad_scaler),
+        "rng": tree_digest(capture_rng()),
     }
 
 

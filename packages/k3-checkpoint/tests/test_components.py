@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_helpers import fingerprint, make_run, rewrite
+from ckpt_helpers import make_run, rewrite, run_fingerprint
 
 from k3_checkpoint import (
     CheckpointError,
@@ -81,10 +81,10 @@ def test_a_refusing_component_is_undone_with_everything_restored_before_it(tmp_p
     live.step()
     live.grad_scaler = {"scale": 2.0}
     live_careless = HalfLoads()
-    before = fingerprint(live)
+    before = run_fingerprint(live)
     with pytest.raises(CheckpointError, match=r"careless refused its saved state \(ValueError"):
         load_checkpoint(path, {**live.components(), "careless": live_careless}, live.metadata())
-    assert fingerprint(live) == before and live_careless.value == 0
+    assert run_fingerprint(live) == before and live_careless.value == 0
 
 
 def test_groups_must_hold_the_same_names(tmp_path):
@@ -118,4 +118,4 @@ def test_a_policy_giving_up_the_device_skips_foreign_cuda_generators(tmp_path):
         "runtime.device_type": (["cuda"], ["cpu"]),
         "rng.torch_cuda": ("1 devices", "0 devices"),
     }
-    assert fingerprint(live)["model"] == fingerprint(run)["model"]
+    assert run_fingerprint(live)["model"] == run_fingerprint(run)["model"]

@@ -22,8 +22,8 @@ import torch
 from ckpt_helpers import (
     assert_same_payload,
     eventually,
-    fingerprint,
     make_run,
+    run_fingerprint,
     write_enveloped,
 )
 
@@ -195,11 +195,11 @@ def test_malicious_pickles_never_run(tmp_path, monkeypatch, zero_copy):
 
     run = make_run()
     run.step()
-    before = fingerprint(run)
+    before = run_fingerprint(run)
     with pytest.raises(CheckpointError, match=r"weights_only=True.*Unsupported global"):
         load_checkpoint(enveloped, **run.load_kwargs())
     assert not target.exists()
-    assert fingerprint(run) == before
+    assert run_fingerprint(run) == before
 
     with open(enveloped, "rb") as file:  # control: torch's unsafe mode would have run it
         file.seek(HEADER_SIZE)
@@ -382,10 +382,10 @@ def test_save_refuses_what_the_loader_would_refuse(tmp_path, section, key, value
     assert os.listdir(tmp_path) == []
 
     save_checkpoint(path, **run.save_kwargs())
-    before = fingerprint(run)
+    before = run_fingerprint(run)
     with pytest.raises(CheckpointError, match=match) as refused:  # checked while it hashes
         load_checkpoint(path, **kwargs)
-    assert str(path) in str(refused.value) and fingerprint(run) == before
+    assert str(path) in str(refused.value) and run_fingerprint(run) == before
 
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import digest
+from ckpt_helpers import tree_digest
 
 from k3_checkpoint import (
     MISSING,
@@ -47,18 +47,18 @@ def test_restore_rng_is_exact_including_cached_gaussians():
 def test_validating_changes_nothing_and_its_result_restores_exactly():
     state = capture_rng()
     expected = _draws()
-    moved = digest(capture_rng())
+    moved = tree_digest(capture_rng())
     valid = validate_rng_state(state)
-    assert digest(capture_rng()) == moved  # validating drew from no global generator
+    assert tree_digest(capture_rng()) == moved  # validating drew from no global generator
     valid.restore()
     assert _draws() == expected
 
 
 def test_capture_holds_no_reference_to_live_generators():
     state = capture_rng()
-    frozen = digest(state)
+    frozen = tree_digest(state)
     _draws()
-    assert digest(state) == frozen
+    assert tree_digest(state) == frozen
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ def test_capture_holds_no_reference_to_live_generators():
 def test_a_bad_part_restores_nothing(part, bad, match):
     state = capture_rng()
     _draws()
-    before = digest(capture_rng())
+    before = tree_digest(capture_rng())
     if bad == "words":  # a key past 32 bits
         bad = {**state["numpy"], "keys": state["numpy"]["keys"].clone().fill_(1 << 32)}
     broken = {**state, part: bad}
@@ -101,7 +101,7 @@ def test_a_bad_part_restores_nothing(part, bad, match):
         validate_rng_state(broken)
     with pytest.raises(CheckpointError, match=f"rng state {match}"):
         restore_rng(broken)  # the earlier, valid parts were not applied either
-    assert digest(capture_rng()) == before
+    assert tree_digest(capture_rng()) == before
 
 
 def test_rng_state_needs_exactly_its_parts():

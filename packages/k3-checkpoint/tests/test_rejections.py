@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_helpers import TRAINER_POLICY, Run, fingerprint, make_run, rewrite
+from ckpt_helpers import TRAINER_POLICY, Run, make_run, rewrite, run_fingerprint
 
 from k3_checkpoint import (
     MISSING,
@@ -271,7 +271,7 @@ def test_incompatibility_is_refused_by_name_and_changes_nothing(case, tmp_path):
         source.step()
     source.grad_scaler = {"scale": 1024.0}
     save_checkpoint(path, **source.save_kwargs())
-    saved = fingerprint(source)
+    saved = run_fingerprint(source)
     if case.doctor is not None:
         rewrite(path, case.doctor)
 
@@ -281,13 +281,13 @@ def test_incompatibility_is_refused_by_name_and_changes_nothing(case, tmp_path):
     live.grad_scaler = {"scale": 512.0}
     if case.change is not None:
         case.change(live)
-    before = fingerprint(live)
+    before = run_fingerprint(live)
     assert all(before[part] != saved[part] for part in saved), "a restore must be visible"
 
     with pytest.raises(CheckpointError, match=case.match) as raised:
         load_checkpoint(path, **live.load_kwargs(), policy=case.policy)
 
-    assert fingerprint(live) == before
+    assert run_fingerprint(live) == before
     assert str(path) in str(raised.value)
 
 

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import TRAINER_POLICY, fingerprint, make_run, train_config
+from ckpt_helpers import TRAINER_POLICY, make_run, run_fingerprint, train_config
 
 from k3_checkpoint import (
     FORMAT_VERSION,
@@ -29,20 +29,20 @@ def test_round_trip_restores_every_component_bitwise(tmp_path):
     run.counters["fixed_batch_offset"] = 96
     path = tmp_path / "ckpt.k3"
     digest = save_checkpoint(path, **run.save_kwargs())
-    saved = fingerprint(run)
+    saved = run_fingerprint(run)
     saved_counters = dict(run.counters)
 
     scaler = run.grad_scaler
     for _ in range(2):  # move every component away from the checkpoint
         run.step()
     run.grad_scaler = None
-    assert all(fingerprint(run)[part] != saved[part] for part in saved)
+    assert all(run_fingerprint(run)[part] != saved[part] for part in saved)
     for parameter in run.model.parameters():  # a half-accumulated attempt, to be discarded
         parameter.grad = torch.ones_like(parameter)
 
     loaded = load_checkpoint(path, **run.load_kwargs())
 
-    assert fingerprint(run) == saved
+    assert run_fingerprint(run) == saved
     assert loaded.digest == digest and len(digest) == 64
     assert run.counters == saved_counters
     assert run.grad_scaler == scaler
@@ -69,7 +69,7 @@ def test_resumed_training_matches_uninterrupted_training_bitwise(tmp_path):
     for _ in range(3):
         resumed.step()
 
-    assert fingerprint(resumed) == fingerprint(original)
+    assert run_fingerprint(resumed) == run_fingerprint(original)
     assert resumed.counters == original.counters
 
 
@@ -190,21 +190,21 @@ def test_cuda_run_round_trips_and_a_cpu_run_is_refused(tmp_path):
     for _ in range(2):
         run.step()
     save_checkpoint(path, **run.save_kwargs())
-    saved = fingerprint(run)
+    saved = run_fingerprint(run)
     assert read_payload(path)["runtime"]["device_type"] == ["cuda"]
     assert len(read_payload(path)["rng"]["torch_cuda"]) == torch.cuda.device_count()
 
     resumed = make_run(seed=3, device="cuda")
     resumed.step()
     load_checkpoint(path, **resumed.load_kwargs())
-    assert fingerprint(resumed) == saved
+    assert run_fingerprint(resumed) == saved
     assert all(p.device.type == "cuda" for p in resumed.model.parameters())
     state = resumed.optimizer.state[next(iter(resumed.model.parameters()))]
     assert state["exp_avg"].device.type == "cuda"
 
     cpu_run = make_run(seed=3)
     cpu_run.step()
-    before = fingerprint(cpu_run)
+    before = run_fingerprint(cpu_run)
     with pytest.raises(CheckpointError, match=r"runtime\.device_type: checkpoint \['cuda'\]"):
         load_checkpoint(path, **cpu_run.load_kwargs())
-    assert fingerprint(cpu_run) == before
+    assert run_fingerprint(cpu_run) == before

@@ -6,7 +6,7 @@ import pytest
 # Shared helpers (trainer_helpers.py) live beside the tests; importlib mode needs the path.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from trainer_helpers import SMALL_MODEL
+from trainer_helpers import MLA_MOE_MODEL
 
 from k3_trainer import prepare_dataset
 
@@ -21,4 +21,4 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture
 def small_model_config():
-    return SMALL_MODEL
+    return MLA_MOE_MODEL

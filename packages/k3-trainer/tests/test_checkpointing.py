@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import SMALL_MODEL, build, fingerprint, fit, resume, train_config
+from trainer_helpers import MLA_MOE_MODEL, build_parts, fit, resume, state_fingerprint, train_config
 
 from k3_checkpoint import CheckpointError, read_payload
 from k3_checkpoint.payload import write_payload
@@ -16,14 +16,14 @@ def saved(data_dir, tmp_path_factory):
     """A checkpoint at step 3 of a 6-step run."""
     path = tmp_path_factory.mktemp("ck") / "checkpoint.pt"
     config = train_config(max_steps=3, checkpoint_interval=3)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     fit(model, opt, (tl, vl), config, checkpoint_path=path)
     return path
 
 
-def _moved(config, data_dir, model_config=SMALL_MODEL, data=None):
+def _moved(config, data_dir, model_config=MLA_MOE_MODEL, data=None):
     """A live run that differs from the checkpoint everywhere (so mutation would show)."""
-    model, opt, tl, vl = build(config, data or data_dir, model_config, seed=4242)
+    model, opt, tl, vl = build_parts(config, data or data_dir, model_config, seed=4242)
     x, y = tl.next_batch()
     model(x, targets=y)[1].backward()
     opt.step()
@@ -45,35 +45,35 @@ def test_incompatible_train_config_is_rejected_without_mutation(saved, data_dir,
     # The checkpoint's run resolved decay_steps to 3 (its max_steps): keep that, change one.
     config = train_config(max_steps=6, decay_steps=3).replace(**change)
     model, opt, tl, vl = _moved(config, data_dir)
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=match):
         resume(saved, model, opt, (tl, vl), config)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
 
 def test_other_model_and_other_data_are_rejected_without_mutation(saved, data_dir, tmp_path):
     config = train_config(decay_steps=3)
-    other_model = SMALL_MODEL.replace(moe_top_k=1)
+    other_model = MLA_MOE_MODEL.replace(moe_top_k=1)
     model, opt, tl, vl = _moved(config, data_dir, other_model)
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match="model_config"):
         resume(saved, model, opt, (tl, vl), config)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
     text = tmp_path / "other.txt"
     text.write_text("other data " * 2000)
     prepare_dataset([text], tmp_path / "other")
     model, opt, tl, vl = _moved(config, data_dir, data=tmp_path / "other")
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=r"manifest|loader"):
         resume(saved, model, opt, (tl, vl), config)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
 
 def test_intervals_may_change_and_max_steps_may_grow(saved, data_dir):
     config = train_config(max_steps=8, log_interval=1, eval_interval=7, checkpoint_interval=5,
                           eval_batches=1, decay_steps=3)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     trainer = resume(saved, model, opt, (tl, vl), config)
     assert trainer.state.step == 3 and tl.offset == 3 * config.batch_size * config.seq_len
     log = MetricsLog(None)
@@ -88,19 +88,19 @@ def test_max_steps_may_be_lowered_down_to_the_saved_step(saved, data_dir, tmp_pa
     planned = _forged(saved, tmp_path, lambda p: p["train_config"].update(max_steps=8))
     for max_steps in (4, 3):
         config = train_config(max_steps=max_steps, decay_steps=3)
-        model, opt, tl, vl = build(config, data_dir)
+        model, opt, tl, vl = build_parts(config, data_dir)
         assert resume(planned, model, opt, (tl, vl), config).state.step == 3
     config = train_config(max_steps=2, decay_steps=3)
     model, opt, tl, vl = _moved(config, data_dir)
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=r"max_steps 2 is smaller than .*counters\.step 3"):
         resume(planned, model, opt, (tl, vl), config)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
 
 def test_save_refuses_live_gradients(data_dir, tmp_path):
     config = train_config()
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     x, y = tl.next_batch()
     model(x, targets=y)[1].backward()
     with pytest.raises(CheckpointError, match="zero_grad"):
@@ -112,7 +112,7 @@ def test_evaluate_reads_the_fixed_prefix_and_changes_nothing(data_dir):
     """(Token weighting against unequal batches: test_evaluate.py.) Every batch here scores
     the same number of targets, so the token-weighted mean is the mean of batch losses."""
     config = train_config()
-    model, _, _, vl = build(config, data_dir)
+    model, _, _, vl = build_parts(config, data_dir)
     model.train()
     vl.next_batch()
     state = torch.get_rng_state()
@@ -145,10 +145,10 @@ def test_swapped_loaders_are_refused_without_mutation(saved, data_dir, tmp_path)
 
     config = train_config(max_steps=6, decay_steps=3)
     model, opt, tl, vl = _moved(config, data_dir)
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=r"loaders\.train refused.*belongs to split 'val'"):
         resume(_forged(saved, tmp_path, swap), model, opt, (tl, vl), config)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
 
 def _scaler_state(**changes):
@@ -184,11 +184,11 @@ def test_malformed_counters_are_refused_by_name_without_mutation(saved, data_dir
                                                                  change, match):
     config = train_config(max_steps=6, decay_steps=3)
     model, opt, tl, vl = _moved(config, data_dir)
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=match) as refused:
         resume(_forged(saved, tmp_path, change), model, opt, (tl, vl), config)
     assert "\n" not in str(refused.value)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
 
 @pytest.mark.parametrize("past_last", [0, 1])
@@ -207,10 +207,10 @@ def test_fixed_batch_offset_must_name_a_complete_batch(saved, data_dir, tmp_path
     if not past_last:
         assert resume(forged, model, opt, (tl, vl), config).state.fixed_batch_offset == last
         return
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match="does not name a complete batch"):
         resume(forged, model, opt, (tl, vl), config)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
 
 def test_runtime_change_is_refused_unless_allowed_and_then_reported(saved, data_dir, tmp_path):
@@ -220,10 +220,10 @@ def test_runtime_change_is_refused_unless_allowed_and_then_reported(saved, data_
     forged = _forged(saved, tmp_path, elsewhere)
     config = train_config(max_steps=6, decay_steps=3)
     model, opt, tl, vl = _moved(config, data_dir)
-    before = fingerprint(model, opt, [tl, vl])
+    before = state_fingerprint(model, opt, [tl, vl])
     with pytest.raises(CheckpointError, match=r"runtime\.num_threads: checkpoint 97"):
         resume(forged, model, opt, (tl, vl), config)
-    assert fingerprint(model, opt, [tl, vl]) == before
+    assert state_fingerprint(model, opt, [tl, vl]) == before
 
     trainer = Trainer(model, opt, (tl, vl), config)
     resumed = trainer.resume(forged, allow_runtime_change=True)

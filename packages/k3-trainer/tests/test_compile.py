@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import build, train_config
+from trainer_helpers import build_parts, train_config
 
 from k3_model import preset
 from k3_trainer import ConfigError, FP16SkipHarness, MetricsLog, Trainer
@@ -22,7 +22,7 @@ TINY = preset("tiny", n_layers=2, max_seq_len=64)
 def _session(data_dir, *, compile: bool):
     config = train_config(max_steps=5, log_interval=1, eval_interval=5, checkpoint_interval=5,
                           seq_len=32, compile=compile, qk_clip_tau=0.05)
-    model, opt, tl, vl = build(config, data_dir, TINY)
+    model, opt, tl, vl = build_parts(config, data_dir, TINY)
     log = MetricsLog(None)
     state = Trainer(model, opt, (tl, vl), config, callbacks=[log],
                     grad_scaler=FP16SkipHarness(init_scale=2.0**10)).fit()

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from trainer_helpers import build, train_config
+from trainer_helpers import build_parts, train_config
 
 from k3_model import preset
 from k3_trainer import Callback, FP16SkipHarness, Trainer
@@ -63,7 +63,7 @@ def test_one_update_reads_the_host_at_most_accumulation_plus_two_times(
     config = train_config(max_steps=6, gradient_accumulation_steps=accumulation,
                           log_interval=6, eval_interval=6, checkpoint_interval=6,
                           qk_clip_tau=1.0)  # tau low: heads are clipped every step
-    model, opt, tl, vl = build(config, data_dir, HYBRID)
+    model, opt, tl, vl = build_parts(config, data_dir, HYBRID)
     calls: list[str] = []
     per_update: list[int] = []
     # torch's AdamW keeps each parameter's `step` counter on the host (non-capturable

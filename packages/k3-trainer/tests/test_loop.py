@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from trainer_helpers import InjectAt, assert_same_state, build, fit, train_config
+from trainer_helpers import InjectAt, assert_same_state, build_parts, fit, train_config
 
 from k3_trainer import (
     ConfigError,
@@ -20,7 +20,7 @@ from k3_trainer import (
 
 
 def _run(config, data_dir, *, checkpoint=None, seed=None, resume_from=None):
-    model, opt, tl, vl = build(config, data_dir, seed=seed)
+    model, opt, tl, vl = build_parts(config, data_dir, seed=seed)
     log = MetricsLog(None)
     trainer = Trainer(model, opt, (tl, vl), config, checkpoint_path=checkpoint, callbacks=[log])
     if resume_from is not None:
@@ -107,7 +107,7 @@ def _scaler():
 def test_fp16_style_skip_consumes_data_but_not_the_schedule(data_dir):
     """Harness: an enabled GradScaler on CPU and an overflow injected into attempt 3."""
     config = train_config(max_steps=5, log_interval=1)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     wrapped = InjectAt(model, calls={3})
     real_steps, lrs = [], []
     opt.register_step_pre_hook(lambda o, *_: lrs.append(o.param_groups[0]["lr"]))
@@ -127,7 +127,7 @@ def test_fp16_style_skip_consumes_data_but_not_the_schedule(data_dir):
 def test_32_consecutive_skips_raise(data_dir):
     # tau so small that a clip applied after a skipped attempt would change the weights.
     config = train_config(max_steps=5, qk_clip_tau=1e-4)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     weights = [p.detach().clone() for p in model.parameters()]
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("balancer.bias")}
     assert biases
@@ -147,7 +147,7 @@ def test_32_consecutive_skips_raise(data_dir):
 
 def test_nonfinite_loss_raises_before_backward_and_counting(data_dir):
     config = train_config(max_steps=3)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     trainer = Trainer(InjectAt(model, calls={2}, kind="nan_loss"), opt, (tl, vl), config)
     state = trainer.state
     with pytest.raises(FloatingPointError, match="Non-finite training loss at step 2"):
@@ -158,7 +158,7 @@ def test_nonfinite_loss_raises_before_backward_and_counting(data_dir):
 
 def test_precision_contracts(data_dir):
     config = train_config(precision="fp16")
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     with pytest.raises(ConfigError, match="fp16"):
         Trainer(model, opt, (tl, vl), config)
     # A scaler does not bypass the checks: fp16 stays refused on CPU, even with a harness.
@@ -172,7 +172,7 @@ def test_precision_contracts(data_dir):
         Trainer(model, opt, (tl, vl), train_config(precision="bf16"), grad_scaler=_scaler())
     assert len(opt.state) == 0 and tl.offset == 0
     bf16 = train_config(precision="bf16")
-    model, opt, tl, vl = build(bf16, data_dir)
+    model, opt, tl, vl = build_parts(bf16, data_dir)
     model.to(torch.bfloat16)
     with pytest.raises(ConfigError, match="fp32 master"):
         Trainer(model, opt, (tl, vl), bf16)
@@ -187,12 +187,12 @@ def test_bf16_autocast_training_keeps_fp32_masters(data_dir):
 
 
 def test_data_with_a_larger_vocabulary_than_the_model_is_refused(data_dir):
-    from trainer_helpers import SMALL_MODEL
+    from trainer_helpers import MLA_MOE_MODEL
 
     from k3_trainer import DataError
 
     config = train_config(max_steps=1)
-    model, opt, tl, vl = build(config, data_dir, SMALL_MODEL.replace(vocab_size=128))
+    model, opt, tl, vl = build_parts(config, data_dir, MLA_MOE_MODEL.replace(vocab_size=128))
     with pytest.raises(DataError, match=r"vocabulary \(256\) exceeds the model's vocab_size"):
         Trainer(model, opt, (tl, vl), config)
     assert len(opt.state) == 0
@@ -211,7 +211,7 @@ def test_cuda_bf16_without_hardware_support_is_refused(monkeypatch):
 def test_nonfinite_gradient_with_finite_loss_ends_the_run(data_dir):
     """fp32 has no scaler to skip an overflow: clip_grad_norm_ refuses it, before any step."""
     config = train_config(max_steps=3)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     trainer = Trainer(InjectAt(model, calls={2}), opt, (tl, vl), config)
     with pytest.raises(FloatingPointError, match="Non-finite gradient norm at step 2"):
         trainer.fit()
@@ -226,7 +226,7 @@ def test_max_grad_norm_zero_disables_clipping(data_dir):
         model, opt, tl, vl, *_ = _run(config, data_dir)
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    model0, *_ = build(train_config(), data_dir)
+    model0, *_ = build_parts(train_config(), data_dir)
     assert any(not torch.equal(a, b) for a, b in zip(results[0], model0.parameters()))
 
 
@@ -238,7 +238,7 @@ def test_an_exhausted_training_loader_restarts_from_offset_zero(tmp_path):
     text.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(60)))
     prepare_dataset([str(text)], tmp_path / "data", PrepareOptions(val_fraction=0.2))
     config = train_config(batch_size=4, seq_len=32, max_steps=1)
-    model, opt, tl, vl = build(config, tmp_path / "data")
+    model, opt, tl, vl = build_parts(config, tmp_path / "data")
     batches = (tl.num_tokens - 1) // tl.tokens_per_batch
     assert 2 <= batches <= 20
     config = config.replace(max_steps=batches + 2, eval_interval=10_000, log_interval=10_000)

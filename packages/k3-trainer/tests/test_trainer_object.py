@@ -10,7 +10,7 @@ import pkgutil
 import pytest
 import torch
 from torch import nn
-from trainer_helpers import build, fingerprint, fit, train_config
+from trainer_helpers import build_parts, fit, state_fingerprint, train_config
 
 import k3_trainer
 from k3_checkpoint import CheckpointError, read_payload
@@ -72,14 +72,14 @@ def test_a_stateful_callback_is_saved_restored_bitwise_and_rolled_back(data_dir,
     # cursors were taken (they are put back).
     model, opt, (tl, vl) = trainer.model, trainer.optimizer, trainer.loaders
     before = {n: t.clone() for n, t in resumed.shadow.items()}
-    prints, counters = fingerprint(model, opt, [tl, vl]), trainer.state.state_dict()
+    prints, counters = state_fingerprint(model, opt, [tl, vl]), trainer.state.state_dict()
     for part, value, match in (("counters", {**payload["counters"], "step": -1}, "counters"),
                                ("callbacks", {"ema": {"decay": 0.5}}, "ema state must hold")):
         write_payload(tmp_path / "forged.pt", {**payload, part: value})
         with pytest.raises(CheckpointError, match=match):
             trainer.resume(tmp_path / "forged.pt")
         assert all(torch.equal(before[n], resumed.shadow[n]) for n in before)
-        assert fingerprint(model, opt, [tl, vl]) == prints
+        assert state_fingerprint(model, opt, [tl, vl]) == prints
         assert trainer.state.state_dict() == counters
 
 
@@ -156,7 +156,7 @@ class Foreign(nn.Module):
 
 def test_a_foreign_module_trains_and_checkpoints_with_the_fallbacks(data_dir, tmp_path):
     config = train_config(max_steps=4, log_interval=2, checkpoint_interval=4)
-    _, _, tl, vl = build(config, data_dir)
+    _, _, tl, vl = build_parts(config, data_dir)
     with pytest.raises(ConfigError, match="no module of Foreign declares QK-Clip geometry"):
         Trainer(Foreign(), build_optimizer(Foreign(), config), (tl, vl), config)
     config = config.replace(qk_clip_enabled=False)  # it has no attention to clip
@@ -180,14 +180,14 @@ def test_a_foreign_module_trains_and_checkpoints_with_the_fallbacks(data_dir, tm
 ])
 def test_a_model_without_the_required_forward_is_refused_by_name(data_dir, model, match):
     config = train_config(qk_clip_enabled=False)
-    _, opt, tl, vl = build(config, data_dir)
+    _, opt, tl, vl = build_parts(config, data_dir)
     with pytest.raises(ConfigError, match=match):
         Trainer(model, opt, (tl, vl), config)
 
 
 def test_an_optional_piece_in_the_wrong_form_is_refused_by_name(data_dir):
     config = train_config(qk_clip_enabled=False)
-    _, opt, tl, vl = build(config, data_dir)
+    _, opt, tl, vl = build_parts(config, data_dir)
     layers = Foreign()
     layers.layers = [nn.Linear(2, 2)]  # a plain list: not blocks FSDP2/compile could use
     with pytest.raises(ConfigError, match=r"Foreign\.layers must be an nn\.ModuleList"):
@@ -230,7 +230,7 @@ def _is_dataclass(cls: type) -> bool:
 
 
 def _parts(config, data_dir, seed=None):
-    model, opt, tl, vl = build(config, data_dir, seed=seed)
+    model, opt, tl, vl = build_parts(config, data_dir, seed=seed)
     return model, opt, (tl, vl), config
 
 

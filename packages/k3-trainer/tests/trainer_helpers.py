@@ -3,47 +3,51 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import random
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from k3_checkpoint import capture_rng
 from k3_model import K3Config, K3Model
 from k3_trainer import TokenDataLoader, TrainConfig, Trainer, build_optimizer
 
 # Small enough for many short runs on 2 CPU cores, but with every mechanism: MLA
 # attention observed by QK-Clip, a dense layer and a quantile-balanced MoE layer.
-SMALL_MODEL = K3Config(
+MLA_MOE_MODEL = K3Config(
     vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=64, attention="mla",
     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
     mlp="moe", d_ff=64, n_dense_layers=1, n_experts=4, moe_top_k=2, moe_d_ff=32,
 )
 
-SMALL_TRAIN = dict(batch_size=4, seq_len=16, max_steps=6, log_interval=2, eval_interval=3,
+# A whole short run: six steps, logged every second step, evaluated and checkpointed at 3.
+SHORT_RUN_TRAIN = dict(batch_size=4, seq_len=16, max_steps=6, log_interval=2, eval_interval=3,
                    checkpoint_interval=3, eval_batches=2, peak_lr=3e-3)
 
 
-# The same small model for `k3-train` runs driven by a --config file.
-SMALL_MODEL_TOML = dict(d_model=32, n_layers=2, n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+# MLA_MOE_MODEL's shape for `k3-train` runs driven by a --config file.
+MLA_MOE_MODEL_TOML = dict(d_model=32, n_layers=2, n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
                         qk_rope_head_dim=8, v_head_dim=8, n_experts=4, moe_d_ff=32, d_ff=64)
 
 
 def small_toml(*, model: dict | None = None, train: dict | None = None) -> str:
-    """A ``--config`` file: the tiny preset narrowed to SMALL_MODEL_TOML, plus tables."""
+    """A ``--config`` file: the tiny preset narrowed to MLA_MOE_MODEL_TOML, plus tables."""
     def table(values: dict) -> str:
         return "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in values.items())
 
-    return ('preset = "tiny"\n[model]\n' + table({**SMALL_MODEL_TOML, **(model or {})})
+    return ('preset = "tiny"\n[model]\n' + table({**MLA_MOE_MODEL_TOML, **(model or {})})
             + "[train]\n" + table(train or {}))
 
 
 def train_config(**overrides) -> TrainConfig:
-    return TrainConfig(**{**SMALL_TRAIN, **overrides})
+    return TrainConfig(**{**SHORT_RUN_TRAIN, **overrides})
 
 
-def build(config: TrainConfig, data_dir, model_config: K3Config = SMALL_MODEL, seed=None):
+def build_parts(config: TrainConfig, data_dir, model_config: K3Config = MLA_MOE_MODEL,
+                seed=None):
     """Seed, then model, optimizer and both loaders, as the CLI builds them."""
     seed = config.seed if seed is None else seed
     random.seed(seed)
@@ -71,18 +75,41 @@ def resume(path, model: nn.Module, optimizer, loaders, config: TrainConfig,
     return run
 
 
-def fingerprint(model: nn.Module, optimizer, loaders) -> dict[str, str]:
-    """sha256 of model state, optimizer state, loader cursors and the global RNG."""
-    def digest(obj) -> str:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        return hashlib.sha256(buffer.getvalue()).hexdigest()
+def tree_digest(value: Any) -> str:
+    """sha256 over a nested structure of tensors and plain values (the same hash as
+    ``tree_digest`` in tests/harness.py and the k3-checkpoint tests' ckpt_helpers.py)."""
+    hasher = hashlib.sha256()
 
+    def feed(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            hasher.update(f"T{item.dtype}{list(item.shape)}".encode())
+            flat = item.detach().cpu().contiguous().reshape(-1)
+            hasher.update((flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat)
+                          .numpy().tobytes())
+        elif isinstance(item, Mapping):
+            for key in sorted(item, key=str):
+                hasher.update(f"K{key!r}".encode())
+                feed(item[key])
+        elif isinstance(item, (list, tuple)):
+            hasher.update(f"L{len(item)}".encode())
+            for element in item:
+                feed(element)
+        else:
+            hasher.update(f"V{item!r}".encode())
+
+    feed(value)
+    return hasher.hexdigest()
+
+
+def state_fingerprint(model: nn.Module, optimizer, loaders) -> dict[str, str]:
+    """Hashes of what a refused load must leave alone: weights and buffers, optimizer
+    state, loader cursors, and every global RNG (as ``state_fingerprint`` in
+    tests/harness.py)."""
     return {
-        "model": digest(model.state_dict()),
-        "optimizer": digest(optimizer.state_dict()),
-        "loaders": digest([loader.state_dict() for loader in loaders]),
-        "rng": digest([random.getstate(), np.random.get_state(), torch.get_rng_state()]),
+        "model": tree_digest(model.state_dict()),
+        "optimizer": tree_digest(optimizer.state_dict()),
+        "loaders": tree_digest([loader.state_dict() for loader in loaders]),
+        "rng": tree_digest(capture_rng()),
     }
 
 
