@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from trainer_helpers import SMALL_MODEL
+from trainer_helpers import MLA_MOE_MODEL
 
 from k3_model import K3Model
 from k3_trainer import PrepareOptions, TokenDataLoader, evaluate, prepare_dataset
@@ -35,7 +35,7 @@ def bpe_data(tmp_path_factory):
 
 def _model(vocab: int) -> K3Model:
     torch.manual_seed(0)
-    return K3Model(dataclasses.replace(SMALL_MODEL, vocab_size=vocab))
+    return K3Model(dataclasses.replace(MLA_MOE_MODEL, vocab_size=vocab))
 
 
 def test_val_bpb_is_loss_over_ln2_times_tokens_per_byte(bpe_data):
@@ -83,6 +83,7 @@ def test_eval_events_the_eval_command_and_the_report_show_val_bpb(bpe_data, tmp_
     capsys.readouterr()
     assert main(["eval", "--run-dir", str(run), "--batches", "2"]) == 0
     out = capsys.readouterr().out
-    loss, bpb = (float(part.split()[-1]) for part in out.strip().split(": ", 1)[1].split(", "))
+    measured = out.strip().split(": ", 1)[1].split(" (")[0]
+    loss, bpb = (float(part.split()[-1]) for part in measured.split(", "))
     assert bpb == pytest.approx(evals[-1]["val_bpb"], abs=1e-4)
     assert loss == pytest.approx(evals[-1]["val_loss"], abs=1e-4)

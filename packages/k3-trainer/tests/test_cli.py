@@ -114,3 +114,29 @@ def test_console_script_help():
                          capture_output=True, text=True, check=True).stdout
     for command in ("prepare", "train", "eval", "inspect"):
         assert command in out
+
+
+def test_eval_reports_what_it_measured_and_clamps_to_the_split(tmp_path, data_dir,
+                                                               config_file, capsys):
+    run = tmp_path / "run"
+    assert _train(run, data_dir, config_file, "--max-steps", "2", "--eval-batches", "2") == 0
+    logged = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "eval"][-1]
+    assert logged["val_tokens"] == 2 * 4 * 16  # eval_batches × batch_size × seq_len
+    capsys.readouterr()
+    assert main(["eval", "--run-dir", str(run)]) == 0
+    default = capsys.readouterr()
+    assert default.out.startswith(f"step 2: val_loss {logged['val_loss']:.4f}")
+    assert "(128 tokens in 2 of " in default.out
+
+    assert main(["eval", "--run-dir", str(run), "--batches", "all"]) == 0
+    whole = capsys.readouterr()
+    available = int(whole.out.split(" of ")[1].split()[0])
+    assert f"in {available} of {available} batches" in whole.out and whole.err == ""
+    assert main(["eval", "--run-dir", str(run), "--batches", str(available + 5)]) == 0
+    clamped = capsys.readouterr()
+    assert clamped.out == whole.out
+    assert clamped.err.strip() == (f"k3-train: note: --batches {available + 5} is more than "
+                                   f"the validation split holds ({available} full batches); "
+                                   f"evaluating all {available}")
+    with pytest.raises(SystemExit):
+        main(["eval", "--run-dir", str(run), "--batches", "some"])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from trainer_helpers import build, fit, train_config
+from trainer_helpers import build_parts, fit, train_config
 
 from k3_trainer import MetricsLog, ProfilerWindow, Trainer, TrainingProfiler, TrainingWindow
 from k3_trainer.cli import main
@@ -19,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_phase_times_add_up_to_the_session_wall_time(data_dir, tmp_path):
     config = train_config(max_steps=6, eval_interval=3, checkpoint_interval=3)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     log = MetricsLog(None)
     fit(model, opt, (tl, vl), config, callbacks=[log], checkpoint_path=tmp_path / "ck.pt")
     end = log.events[-1]
@@ -34,7 +34,7 @@ def test_phase_times_add_up_to_the_session_wall_time(data_dir, tmp_path):
 
 def test_bounded_profiler_window_traces_exactly_the_requested_attempts(data_dir, tmp_path):
     config = train_config(max_steps=6)
-    model, opt, tl, vl = build(config, data_dir)
+    model, opt, tl, vl = build_parts(config, data_dir)
     fit(model, opt, (tl, vl), config,
         callbacks=[ProfilerWindow(tmp_path / "profile", start=3, steps=2)])
     trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
@@ -62,7 +62,7 @@ def test_diagnostics_are_logged_and_do_not_change_training(data_dir):
     config = train_config(max_steps=4, log_interval=2)
     runs = {}
     for diagnostics in (True, False):
-        model, opt, tl, vl = build(config, data_dir)
+        model, opt, tl, vl = build_parts(config, data_dir)
         log = MetricsLog(None)
         trainer = Trainer(model, opt, (tl, vl), config, callbacks=[log])
         trainer.diagnostics = diagnostics
@@ -133,3 +133,42 @@ def test_metrics_log_recovers_from_a_torn_last_line(tmp_path):
         log.write("session_start", step=1)
     events = read_events(path)
     assert [e["event"] for e in events] == ["train", "session_start"]
+
+
+def test_the_qk_plot_has_a_legend_and_the_tau_line(tmp_path, monkeypatch):
+    """The report's QK-Clip plot draws τ (from the run's record) as a labelled line."""
+    import matplotlib.axes
+
+    from k3_trainer.observe.report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [{"event": "train", "step": s, "tokens_seen": 64 * s, "loss": 3.0, "lr": 1e-3,
+               "qk_max_logit/layers.3.attn": 20.0 + s} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "run.json").write_text(json.dumps({"train_config": {"qk_clip_tau": 30.0,
+                                                               "qk_clip_enabled": True}}))
+    drawn: list[tuple[str, float, str]] = []
+    legends: list[str] = []
+    real_axhline, real_legend = matplotlib.axes.Axes.axhline, matplotlib.axes.Axes.legend
+
+    def axhline(ax, y=0, *args, **kwargs):
+        drawn.append((ax.get_title(), y, kwargs.get("label")))
+        return real_axhline(ax, y, *args, **kwargs)
+
+    def legend(ax, *args, **kwargs):
+        legends.append(ax.get_title())
+        return real_legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", axhline)
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", legend)
+    write_report(run)
+    qk_title = "QK-Clip: max pre-softmax logit per attention layer"
+    assert drawn == [(qk_title, 30.0, "QK-Clip τ = 30 (heads above it are rescaled)")]
+    assert qk_title in legends  # one layer, still a legend: its name and τ
+
+    (run / "run.json").write_text(json.dumps({"train_config": {"qk_clip_tau": 30.0,
+                                                               "qk_clip_enabled": False}}))
+    drawn.clear()
+    write_report(run)
+    assert drawn == []  # QK-Clip off: no threshold to draw

@@ -18,6 +18,7 @@ from .data import (
 )
 from .evaluate import EvalResult, evaluate, evaluate_split
 from .observe import (
+    LogLines,
     MetricsLog,
     MoEDiagnostics,
     ProfilerWindow,
@@ -51,6 +52,7 @@ __all__ = [
     "FP16SkipHarness",
     "K3TrainerModel",
     "Loaders",
+    "LogLines",
     "MetricsLog",
     "MoEDiagnostics",
     "ModelContract",

@@ -5,7 +5,9 @@ User errors (bad flag or config value, missing data, an incompatible or corrupt
 checkpoint, a run directory that already holds a run) print one line and exit with
 status 2, without a traceback. A run that fails while it trains (a non-finite loss, a
 checkpoint that cannot be written, any other I/O error) prints one line and exits with
-status 1; the last checkpoint written stays valid.
+status 1; the last checkpoint written stays valid. Ctrl-C or SIGTERM while it trains
+saves at the next update boundary, says so in one line and exits 130 or 143 (a second
+signal ends it at once, the previous checkpoint intact).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import torch
 
 from k3_checkpoint import CheckpointError
 
+from .checkpoint import find_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import DataError
 from .data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, default_workers
-from .distributed import MODES, launched_by_torchrun, prog_name, torchrun_command
+from .distributed import MODES, launched_by_torchrun, launched_rank, prog_name, torchrun_command
+from .interrupt import TrainingInterrupted
 from .runner import (
     RunError,
     SampleCommand,
@@ -73,6 +77,10 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _batches(text: str) -> int | str:
+    return "all" if text == "all" else _positive_int(text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="validation loss of a run's latest checkpoint")
     evaluate.add_argument("--run-dir", required=True, type=Path)
     evaluate.add_argument("--data", type=Path)
-    evaluate.add_argument("--batches", type=_positive_int,
-                          help="validation batches (default: config)")
+    evaluate.add_argument("--batches", type=_batches, metavar="N|all",
+                          help="full validation batches from the start of the split "
+                          "(default: the run's eval_batches; all: the whole split; more "
+                          "than the split holds is clamped, with a note)")
     evaluate.add_argument("--device", default="auto")
 
     sample = sub.add_parser("sample", help="continue a prompt with a run's checkpoint")
@@ -264,10 +274,24 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # disk full, read-only run directory, ...: the environment
         print(f"{who}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{who}: interrupted; continue from the last checkpoint with --resume",
-              file=sys.stderr)
+    except TrainingInterrupted as stop:
+        if launched_rank() == 0:
+            saved = ("checkpoint saved; continue with --resume" if stop.checkpoint is not None
+                     else "nothing was saved")
+            print(f"{who}: interrupted at step {stop.step}; {saved}", file=sys.stderr)
+        return stop.exit_status
+    except KeyboardInterrupt:  # before training began (or a command that does not train)
+        print(f"{who}: interrupted; {_what_is_kept(args)}", file=sys.stderr)
         return 130
+
+
+def _what_is_kept(args: argparse.Namespace) -> str:
+    """What an interrupted command leaves, without naming a checkpoint that does not exist."""
+    if args.command != "train":
+        return "nothing was changed"
+    if find_checkpoint(args.run_dir) is None:
+        return "no checkpoint was written"
+    return "the run's last checkpoint is intact; continue with --resume"
 
 
 def _one_line(exc: OSError) -> str:

@@ -32,6 +32,14 @@ def launched_world_size() -> int:
         return 1
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun announced it (0 when not launched by it)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def launched_by_torchrun() -> bool:
     """True in a process torchrun started (it sets RANK), even with one process."""
     return "RANK" in os.environ

@@ -39,7 +39,8 @@ from .data.loader import MANIFEST_FORMAT
 from .data.prepare import PrepareOptions, describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
 from .evaluate import evaluate_split
-from .observe import MetricsLog, ProfilerWindow, ProgressBar, Report, TensorBoard
+from .interrupt import StopOnSignal
+from .observe import LogLines, MetricsLog, ProfilerWindow, ProgressBar, Report, TensorBoard
 from .observe.report import require_matplotlib, write_report
 from .observe.run import Session, read_run_record, write_run_record
 from .optim import build_optimizer
@@ -276,8 +277,8 @@ def _observers(command: TrainCommand, metrics: MetricsLog) -> list[Any]:
     if command.profile_start is not None:
         callbacks.append(ProfilerWindow(command.run_dir / "profile", command.profile_start,
                                         command.profile_steps))
-    if sys.stderr.isatty():
-        callbacks.append(ProgressBar())
+    # A bar on a terminal; in a log file (nohup, a job log, CI) plain lines instead.
+    callbacks.append(ProgressBar() if sys.stderr.isatty() else LogLines())
     if command.report:
         callbacks.append(Report(command.run_dir))
     return callbacks
@@ -315,7 +316,8 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
     if parallel is not None:
         parallel.barrier()  # every rank has checked the run directory before rank 0 writes
     if not main:
-        trainer.fit()  # the same training, writing nothing but its share of checkpoints
+        with StopOnSignal(trainer):
+            trainer.fit()  # the same training, writing nothing but its share of checkpoints
         return 0
     if resolved.resume_from is None:
         (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
@@ -336,7 +338,8 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
         trainer.callbacks.extend(observers)
         if runtime_changes:
             _report_runtime_changes(metrics, trainer.state, runtime_changes)
-        trainer.fit()
+        with StopOnSignal(trainer):
+            trainer.fit()
         _summary(metrics, run_dir)
     report = next((c for c in observers if isinstance(c, Report)), None)
     if report is not None and report.written is not None:
@@ -398,15 +401,18 @@ def _restored(run_dir: Path, data: Path | None, device: torch.device) -> _Restor
     cursors read from the checkpoint, for commands that continue no training (eval,
     sample): no optimizer is built, a sharded checkpoint is read into this one process,
     another runtime (threads, torch version, device) is accepted, and everything else is
-    validated as strictly as for a resume."""
+    validated as strictly as for a resume. The loaders read the run's global batch (every
+    rank's rows), so validation measures the same tokens as the run's logged one."""
     record = _read_record(run_dir)
     found = find_checkpoint(run_dir)
     if found is None:
         raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint")
     config = _train_config(record["train_config"], {}, {})
+    world = _recorded_world_size(record)
     model_config = _model_config(None, {}, record["model_config"])
     data_dir = data or Path(record["data"]["dir"])
-    loaders = _loaders(config, model_config, data_dir, None)
+    loaders = _loaders(config.replace(batch_size=config.batch_size * world), model_config,
+                       data_dir, None)
     seed_everything(config.seed)
     model = K3Model(model_config).to(device)
     state = TrainState()
@@ -416,13 +422,32 @@ def _restored(run_dir: Path, data: Path | None, device: torch.device) -> _Restor
     return _Restored(model, config, state, loaders, data_dir)
 
 
-def run_eval(run_dir: Path, data: Path | None, batches: int | None,
+def _recorded_world_size(record: dict[str, Any]) -> int:
+    """The data-parallel world size of the run's last session (1 when it recorded none)."""
+    sessions = record.get("sessions")
+    last = sessions[-1] if isinstance(sessions, list) and sessions else {}
+    layout = last.get("data_parallel") if isinstance(last, dict) else None
+    size = layout.get("world_size") if isinstance(layout, dict) else 1
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+
+
+def run_eval(run_dir: Path, data: Path | None, batches: int | str | None,
              device: torch.device) -> int:
+    """``k3-train eval``: the validation loss of the run's checkpoint over ``batches`` full
+    batches from the start of the split (default: the run's ``eval_batches``; ``"all"``:
+    the whole split), with the number of tokens it measured."""
     run = _restored(run_dir, data, device)
-    result = evaluate_split(run.model, run.loaders[1], device,
-                            batches or run.config.eval_batches, run.config.precision)
+    val = run.loaders[1]
+    available = (val.num_tokens - 1) // val.tokens_per_batch
+    wanted = available if batches == "all" else int(batches or run.config.eval_batches)
+    if wanted > available:
+        print(f"k3-train: note: --batches {wanted} is more than the validation split holds "
+              f"({available} full batches); evaluating all {available}", file=sys.stderr)
+        wanted = available
+    result = evaluate_split(run.model, val, device, wanted, run.config.precision)
     bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
-    print(f"step {run.state.step}: val_loss {result.loss:.4f}{bpb}")
+    print(f"step {run.state.step}: val_loss {result.loss:.4f}{bpb} "
+          f"({result.tokens:,} tokens in {wanted} of {available} batches)")
     return 0
 
 

@@ -5,12 +5,14 @@ One attempted update, in the spec's order: reset QK observations → schedule LR
 check, backward, token count → unscale, clip, ``qk_clip.validate()`` →
 ``scaler.step``/``update`` → ``qk_clip.apply()`` after a real step (``reset()`` after a
 skipped one) → clear grads. A successful update then advances ``step`` and runs whatever
-log/evaluation/checkpoint is due (all three on the last step).
+log/evaluation/checkpoint is due (all three on the last step). A stop requested meanwhile
+(:meth:`Trainer.request_stop`, a signal) ends the session at that boundary, saved.
 """
 
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +29,7 @@ from .contract import ModelContract, check_model
 from .data import DataExhausted, TokenDataLoader, check_vocab_fits
 from .distributed import Parallel
 from .evaluate import evaluate_split
+from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
 from .precision import (
     autocast,
@@ -106,6 +109,8 @@ class Trainer:
             train = self.loaders.train
             self.state.fixed_batch_limit = train.num_tokens - train.tokens_per_batch - 1
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path is not None else None
+        self._stop_signal: int | None = None
+        self._saved_step: int | None = None
         self.checkpointer = Checkpointer(self.states(),
                                          run_metadata(self.contract, config, parallel),
                                          TRAINER_POLICY, parallel)
@@ -156,21 +161,43 @@ class Trainer:
                         precision=config.precision, device=str(self.device),
                         compile=config.compile,
                         activation_checkpointing=config.activation_checkpointing)
-            while self.state.step < config.max_steps:
+            stop = None
+            while self.state.step < config.max_steps and stop is None:
                 attempt = self._attempt(qk_clip)
                 if attempt.skipped:
                     consecutive_skips += 1
                     self._skipped(attempt, consecutive_skips)
-                    continue
-                consecutive_skips = 0
-                self._succeeded(attempt)
-                self._boundary()
+                else:
+                    consecutive_skips = 0
+                    self._succeeded(attempt)
+                    self._boundary()
+                stop = self._stop_requested()
+            if stop is not None and self.checkpoint_path is not None and \
+                    self._saved_step != self.state.step:
+                self.save_checkpoint()
         self.state.grad_scaler_state = (self.scaler.state_dict() if self.scaler.is_enabled()
                                         else None)
         self._event("session_end", step=self.state.step, tokens_seen=self.state.tokens_seen,
                     skipped_updates=self.state.skipped_updates,
-                    compile_s=round(compile_clock.seconds, 3), **self.profiler.summary())
+                    compile_s=round(compile_clock.seconds, 3), **self.profiler.summary(),
+                    **({"interrupted": signal.Signals(stop).name} if stop is not None else {}))
+        if stop is not None:
+            raise TrainingInterrupted(self.state.step, stop, self.checkpoint_path)
         return self.state
+
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        """Stop at the next update boundary: ``fit()`` finishes the attempt under way,
+        saves the checkpoint there (when it has a path) and raises
+        :class:`~k3_trainer.interrupt.TrainingInterrupted`. Safe to call from a signal
+        handler (see :class:`~k3_trainer.interrupt.StopOnSignal`)."""
+        self._stop_signal = int(signum)
+
+    def _stop_requested(self) -> int | None:
+        """The signal to stop on, agreed by every rank (the same step everywhere)."""
+        signum = self._stop_signal or 0
+        if self.parallel is not None:
+            signum = int(self.parallel.max_(torch.tensor([float(signum)])).item())
+        return signum or None
 
     def _attempt(self, qk_clip: QKClip) -> _Attempt:
         """One attempted update for successful step ``state.step + 1``, in the spec's order."""
@@ -285,7 +312,7 @@ class Trainer:
                 self.config.precision,
                 all_reduce=self.parallel.sum_ if self.parallel is not None else None)
         self._event("eval", step=self.state.step, val_loss=result.loss, val_bpb=result.bpb,
-                    tokens_seen=self.state.tokens_seen)
+                    val_tokens=result.tokens, tokens_seen=self.state.tokens_seen)
 
     def save_checkpoint(self) -> str:
         """Write the checkpoint at this update boundary (``checkpoint`` event); returns its
@@ -295,6 +322,7 @@ class Trainer:
             self.state.grad_scaler_state = (self.scaler.state_dict()
                                             if self.scaler.is_enabled() else None)
             digest = self.checkpointer.save(self.checkpoint_path, step=self.state.step)
+        self._saved_step = self.state.step
         self._event("checkpoint", step=self.state.step, path=str(self.checkpoint_path),
                     digest=digest)
         return digest

@@ -1,9 +1,11 @@
-"""The progress bar a person watches on a terminal, as a callback."""
+"""What a person watches: a progress bar on a terminal, plain lines in a log file."""
 
 from __future__ import annotations
 
+import math
 import sys
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..callbacks import Callback, Record
 
@@ -35,3 +37,52 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class LogLines(Callback):
+    """Plain lines for a log file (nohup, a job log, CI), where a progress bar would print
+    nothing useful: one per log window (step, loss, lr, tokens/s, elapsed, ETA) and one
+    per evaluation."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+        self.started = time.monotonic()
+        self.first_step = 0
+
+    def on_session_start(self, trainer: Trainer, record: Record) -> None:
+        self.started, self.first_step = time.monotonic(), trainer.state.step
+
+    def on_log(self, trainer: Trainer, record: Record) -> None:
+        step, total = record["step"], trainer.config.max_steps
+        elapsed = time.monotonic() - self.started
+        done = step - self.first_step
+        eta = elapsed / done * (total - step) if done > 0 else math.nan
+        rate = record.get("tokens_per_s")
+        self._say(f"step {step}/{total} | loss {_num(record.get('loss'), '.4f')} | "
+                  f"lr {_num(record.get('lr'), '.2e')} | {_num(rate, ',.0f')} tokens/s | "
+                  f"elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
+
+    def on_eval_end(self, trainer: Trainer, record: Record) -> None:
+        bpb = record.get("val_bpb")
+        tokens = record.get("val_tokens")
+        self._say(f"step {record['step']}/{trainer.config.max_steps} | val_loss "
+                  f"{_num(record.get('val_loss'), '.4f')}"
+                  + (f" | val_bpb {bpb:.4f}" if bpb is not None else "")
+                  + (f" | {tokens:,} tokens" if tokens is not None else ""))
+
+    def _say(self, line: str) -> None:
+        stream = self.stream if self.stream is not None else sys.stdout
+        print(line, file=stream, flush=True)
+
+
+def _num(value: Any, spec: str) -> str:
+    return "n/a" if not isinstance(value, int | float) or not math.isfinite(value) else \
+        format(value, spec)
+
+
+def _clock(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "n/a"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..callbacks import Callback, Record
 from ..config import ConfigError
 from .metrics import read_events
+from .run import read_run_record
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -61,17 +62,22 @@ def write_report(run_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
 
     def plot(name: str, title: str, xlabel: str, ylabel: str,
-             lines: list[tuple[str, list[float], list[Any]]], log_y: bool = False) -> str:
+             lines: list[tuple[str, list[float], list[Any]]], log_y: bool = False,
+             threshold: tuple[str, float] | None = None) -> str:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
         for label, xs, ys in lines:
             points = [(x, y) for x, y in zip(xs, ys) if isinstance(y, int | float)]
             if points:
                 ax.plot(*zip(*points), label=label, marker="." if len(points) < 40 else None)
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if threshold is not None:
+            ax.axhline(threshold[1], color="tab:red", linestyle="--", linewidth=1,
+                       label=threshold[0])
         if log_y:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        if len(lines) > 1:
+        drawn = len(ax.get_legend_handles_labels()[0])
+        if drawn > 1 or (drawn and threshold is not None):
             ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png")
@@ -96,7 +102,8 @@ def write_report(run_dir: str | Path) -> Path:
         plot("qk_max_logit", "QK-Clip: max pre-softmax logit per attention layer", "step",
              "max logit", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
                            for k in _prefixed(train, "qk_max_logit/")]
-             or [("all layers", steps, [e.get("qk_max_logit") for e in train])]),
+             or [("all layers", steps, [e.get("qk_max_logit") for e in train])],
+             threshold=_qk_clip_threshold(run_dir)),
         plot("moe_load_cv", "MoE: expert-load coefficient of variation per layer", "step",
              "load CV (0 = even)", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
                                     for k in _prefixed(train, "moe_load_cv/")]),
@@ -125,6 +132,19 @@ def write_report(run_dir: str | Path) -> Path:
         f"<h1>{html.escape(run_dir.name)}</h1><table>{rows}</table>{figures}</body></html>\n"
     )
     return index
+
+
+def _qk_clip_threshold(run_dir: Path) -> tuple[str, float] | None:
+    """``("QK-Clip τ = …", τ)`` from the run's record, when QK-Clip is on; None when the
+    record is missing or says it is off."""
+    try:
+        config = read_run_record(run_dir)["train_config"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    tau = config.get("qk_clip_tau") if isinstance(config, dict) else None
+    if not config.get("qk_clip_enabled", True) or not isinstance(tau, int | float):
+        return None
+    return f"QK-Clip τ = {tau:g} (heads above it are rescaled)", float(tau)
 
 
 class Report(Callback):

@@ -1,0 +1,140 @@
+"""Ctrl-C and SIGTERM through ``k3-train train``: the session stops at an update boundary,
+saves there, says so in one line, exits 130/143, and ``--resume`` ends bitwise equal to
+the uninterrupted run — one process, and 2 ranks under torchrun (every rank stops at the
+same step)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import assert_bitwise_equal, k3_train, subprocess_env
+from test_distributed_training import distributed, needs_torchrun
+
+from k3_checkpoint import read_payload
+from k3_trainer import read_events
+from k3_trainer.cli import main
+
+STEPS = 24
+
+
+def _flags(data_dir: Path, config: Path) -> list[str]:
+    return ["--data", str(data_dir), "--config", str(config), "--max-steps", str(STEPS),
+            "--warmup-steps", "2", "--decay-steps", str(STEPS), "--log-interval", "1",
+            "--eval-interval", "1000", "--checkpoint-interval", "1000"]
+
+
+def _trained_steps(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists():
+        return 0
+    return max((e["step"] for e in read_events(metrics) if e["event"] == "train"), default=0)
+
+
+def _interrupt(command: list[str], run: Path, signum: int) -> subprocess.CompletedProcess[str]:
+    """Start ``command``, send ``signum`` once it has trained two steps, and wait."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=subprocess_env())
+    deadline = time.monotonic() + 300
+    while _trained_steps(run) < 2:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run never trained"
+        time.sleep(0.02)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_saves_and_the_resume_is_bitwise(tmp_path, data_dir, small_toml, signum,
+                                                  status):
+    reference = tmp_path / "reference"
+    assert main(["train", "--run-dir", str(reference), *_flags(data_dir, small_toml)]) == 0
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", str(run),
+               *_flags(data_dir, small_toml)]
+    stopped = _interrupt(command, run, signum)
+    lines = [line for line in stopped.stderr.splitlines() if line.startswith("k3-train")]
+    assert stopped.returncode == status, stopped.stderr[-3000:]
+    step = read_payload(run / "checkpoint.pt")["counters"]["step"]
+    assert 2 <= step < STEPS
+    assert lines[-1] == (f"k3-train: interrupted at step {step}; checkpoint saved; "
+                         "continue with --resume")
+    end = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "session_end"]
+    assert end[-1]["interrupted"] == signal.Signals(signum).name
+
+    resumed = k3_train("train", "--run-dir", run, "--resume", *_flags(data_dir, small_toml))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise_equal(read_payload(reference / "checkpoint.pt"),
+                         read_payload(run / "checkpoint.pt"))
+
+
+def test_an_interrupt_before_training_names_no_checkpoint(tmp_path, data_dir, small_toml,
+                                                          capsys, monkeypatch):
+    """Ctrl-C while the session starts (here: while the model is built) says that nothing
+    was written, never "continue from the last checkpoint"."""
+    from k3_trainer import runner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "K3Model", interrupted)
+    code = main(["train", "--run-dir", str(tmp_path / "run"), *_flags(data_dir, small_toml)])
+    assert code == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted; no checkpoint was written")
+
+
+@distributed
+@needs_torchrun
+def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_dir, small_toml):
+    """SIGTERM reaches one rank only (as when one node is preempted first): both ranks
+    agree on the step, the run is saved there, and the resume ends as the uninterrupted
+    run does."""
+    flags = [*_flags(data_dir, small_toml), "--parallel", "ddp", "--batch-size", "2"]
+    reference = tmp_path / "reference"
+    done = k3_train("train", "--run-dir", reference, *flags, "--nproc", 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "-m", "k3_trainer.cli", "train", "--run-dir", str(run),
+               *flags]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=subprocess_env())
+    deadline = time.monotonic() + 300
+    while _trained_steps(run) < 2:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    rank1 = _rank_pid(process.pid, rank=1)
+    subprocess.run(["kill", "-TERM", str(rank1)], check=True)
+    out, err = process.communicate(timeout=300)
+    step = read_payload(run / "checkpoint.pt")["counters"]["step"]
+    assert f"interrupted at step {step}; checkpoint saved" in err, err[-3000:]
+    ends = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "session_end"]
+    assert ends[-1]["step"] == step and ends[-1]["interrupted"] == "SIGTERM"
+    resumed = k3_train("train", "--run-dir", run, "--resume", *flags, "--nproc", 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise_equal(read_payload(reference / "checkpoint.pt"),
+                         read_payload(run / "checkpoint.pt"))
+
+
+def _rank_pid(parent: int, rank: int) -> int:
+    """The pid of torchrun's worker ``rank`` (its environment names the rank)."""
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (child / "environ").read_bytes().split(b"\0")
+            status = (child / "status").read_text()
+        except OSError:
+            continue
+        ppid = next((int(line.split()[1]) for line in status.splitlines()
+                     if line.startswith("PPid:")), None)
+        if ppid == parent and f"RANK={rank}".encode() in environ and \
+                b"LOCAL_RANK=" + str(rank).encode() in environ:
+            return int(child.name)
+    raise AssertionError(f"no worker of rank {rank} under torchrun (pid {parent})")
