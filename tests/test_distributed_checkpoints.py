@@ -33,6 +33,7 @@ from test_distributed_training import (
 )
 
 from k3_checkpoint import read_payload
+from k3_trainer import read_events
 from k3_trainer.checkpoint import find_checkpoint
 
 pytestmark = [distributed, needs_torchrun]
@@ -168,9 +169,14 @@ def test_inspect_reads_a_sharded_checkpoint_and_verifies_every_shard(continuous,
     assert shown.returncode == 0, shown.stderr
     assert "every digest verified" in shown.stdout and "data_parallel  mode=fsdp" in shown.stdout
     assert f"step={STEPS}" in shown.stdout
-    # One process evaluates the FSDP2 run (DCP reads the 2 ranks' shards whole).
+    # One process evaluates the FSDP2 run (DCP reads the 2 ranks' shards whole), on the
+    # run's global batch: the same tokens, so the same loss as the run logged.
     evaluated = k3_train("eval", "--run-dir", run_dir, "--device", "cpu")
     assert evaluated.returncode == 0 and evaluated.stdout.startswith(f"step {STEPS}: val_loss")
+    logged = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "eval"][-1]
+    val_loss = float(evaluated.stdout.split("val_loss ")[1].split(",")[0].split()[0])
+    assert val_loss == pytest.approx(logged["val_loss"], abs=6e-5)  # printed to 4 decimals
+    assert f"({logged['val_tokens']:,} tokens in " in evaluated.stdout
     shard = next((run_dir / "checkpoint.dcp").glob("__1_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
