@@ -166,7 +166,8 @@ def test_a_read_only_run_directory_fails_in_one_line_and_changes_nothing(run_at_
     before = tree_bytes(run)
     resumed = k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4, driver=True,
                        env={"K3_TEST_READONLY": str(run)})
-    assert_one_line_error(resumed, "Permission denied", code=1)
+    line = assert_one_line_error(resumed, "is not writable (Permission denied", code=2)
+    assert "fix its permissions or choose another --run-dir" in line
     assert tree_bytes(run) == before
 
     parent = run.parent / "read-only"
@@ -174,5 +175,5 @@ def test_a_read_only_run_directory_fails_in_one_line_and_changes_nothing(run_at_
     fresh = k3_train("train", "--run-dir", parent / "new", "--data", data_dir, "--config",
                      small_toml, "--max-steps", 2, driver=True,
                      env={"K3_TEST_READONLY": str(parent)})
-    assert_one_line_error(fresh, "Permission denied", code=1)
+    assert_one_line_error(fresh, "is not writable (Permission denied", code=2)
     assert list(parent.iterdir()) == []

@@ -307,7 +307,6 @@ def test_bad_command_lines_are_refused(tmp_path, data_dir, small_toml, finished_
         ([*fresh, "--config", tmp_path / "missing.toml"], "missing.toml not found"),
         (["train", "--run-dir", run, "--data", tmp_path / "nodata"], "manifest.json not found"),
         (["train", "--run-dir", a_file, "--data", data_dir], "is a file, not a directory"),
-        (["train", "--run-dir", run, "--resume"], "no checkpoint to resume"),
         (["eval", "--run-dir", run], "not found"),
         (["eval", "--run-dir", finished_run, "--batches", "0"], "positive integer"),
         (["eval", "--run-dir", finished_run, "--batches", "-2"], "positive integer"),
@@ -381,6 +380,9 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     (run / "checkpoint.pt").unlink()
+    metrics = run / "metrics.jsonl"  # killed before its first save: no checkpoint event
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if '"event": "checkpoint"' not in line))
     code, err = _cli(["train", "--run-dir", run, "--data", run.parent], capsys)
     _assert_refused(code, err, "stopped before its first checkpoint")
     assert "pass --resume to start it again" in err[0]
@@ -395,6 +397,50 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(
     fresh = read_payload(finished_run / "checkpoint.pt")
     for key, tensor in fresh["model"].items():  # the recorded recipe, bitwise
         assert torch.equal(tensor, read_payload(run / "checkpoint.pt")["model"][key]), key
+
+
+def test_resume_refuses_a_run_whose_recorded_checkpoint_is_missing(tmp_path, finished_run,
+                                                                   capsys):
+    """metrics.jsonl says a checkpoint was saved: a missing one was moved or deleted, and
+    starting over would throw the run away (and its metrics.jsonl with it)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "checkpoint.pt").unlink()
+    before = tree_bytes(run)
+    code, err = _cli(["train", "--run-dir", run, "--resume"], capsys)
+    _assert_refused(code, err, "records a checkpoint saved at step 2, but")
+    assert "put it back, or choose another --run-dir" in err[0]
+    assert tree_bytes(run) == before
+
+
+@pytest.mark.parametrize("state", ["absent", "empty"])
+def test_resume_of_an_absent_or_empty_run_directory_starts_the_run(tmp_path, data_dir,
+                                                                   small_toml, capsys, state):
+    """A supervisor's `until k3-train train ... --resume; do :; done` always ends, even
+    when the first session was killed before it wrote anything."""
+    run = tmp_path / "run"
+    if state == "empty":
+        run.mkdir()
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--data", data_dir, "--config",
+                      small_toml, "--max-steps", 2], capsys)
+    assert code == 0, err
+    assert err[0] == f"k3-train: {run} holds no run yet; nothing to resume, so the run starts"
+    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 2
+
+
+def test_a_resume_on_other_data_names_both_folders(tmp_path, data_dir, finished_run, capsys):
+    other = tmp_path / "other-data"
+    text = tmp_path / "other.txt"
+    text.write_text("other data " * 3000)
+    prepare_dataset([text], other)
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--data", other, "--max-steps", 4],
+                     capsys)
+    _assert_refused(code, err, "belongs to different data")
+    recorded = json.loads((run / "run.json").read_text())["data"]["dir"]
+    assert f"the run was trained on {recorded}, this session reads {other}" in err[0]
+    assert f"this loader reads {other}" in err[0]
 
 
 def test_shards_are_prepared_read_only(data_dir):

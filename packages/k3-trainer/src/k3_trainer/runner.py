@@ -40,7 +40,15 @@ from .data.prepare import PrepareOptions, describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
 from .evaluate import evaluate_split
 from .interrupt import StopOnSignal
-from .observe import LogLines, MetricsLog, ProfilerWindow, ProgressBar, Report, TensorBoard
+from .observe import (
+    LogLines,
+    MetricsLog,
+    ProfilerWindow,
+    ProgressBar,
+    Report,
+    TensorBoard,
+    read_events,
+)
 from .observe.report import require_matplotlib, write_report
 from .observe.run import Session, read_run_record, write_run_record
 from .optim import build_optimizer
@@ -103,6 +111,17 @@ def _train_config(base: dict[str, Any], toml: dict[str, Any],
 def _has_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists()
                for name in (CHECKPOINT, SHARDED_CHECKPOINT, METRICS, "run.json"))
+
+
+def _recorded_checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the last checkpoint ``metrics.jsonl`` says was saved, or None."""
+    metrics = run_dir / METRICS
+    try:
+        events = read_events(metrics) if metrics.is_file() else []
+    except (OSError, UnicodeDecodeError):
+        return None
+    steps = [e.get("step") for e in events if e.get("event") == "checkpoint"]
+    return steps[-1] if steps and isinstance(steps[-1], int) else None
 
 
 def _read_record(run_dir: Path) -> dict[str, Any]:
@@ -172,6 +191,8 @@ class _Resolved:
     data_dir: Path
     resume_from: Path | None
     horizon_unset: bool
+    recorded_data: str | None = None
+    """The data folder the run's record names (to say which dataset a checkpoint needs)."""
 
 
 def _loaders(config: TrainConfig, model_config: K3Config, data_dir: Path,
@@ -238,14 +259,20 @@ def _resolve(command: TrainCommand) -> _Resolved:
     found = find_checkpoint(run_dir)
     resume = command.resume
     if resume and found is None:
-        if not _has_run(run_dir):
-            raise RunError(f"--resume: no checkpoint to resume, {run_dir / CHECKPOINT} "
-                           f"(or {SHARDED_CHECKPOINT}) not found")
-        # Killed before its first checkpoint: nothing to lose, so a supervisor that
-        # restarts with --resume until success gets a run instead of a loop of errors.
-        record = _restart_record(run_dir)
-        print(f"k3-train: {run_dir} stopped before its first checkpoint; nothing to resume, "
-              "so the run starts from scratch", file=sys.stderr)
+        saved_at = _recorded_checkpoint_step(run_dir)
+        if saved_at is not None:  # moved or deleted: starting over would lose the run
+            raise RunError(f"{run_dir / METRICS} records a checkpoint saved at step "
+                           f"{saved_at}, but {run_dir} holds none ({CHECKPOINT} or "
+                           f"{SHARDED_CHECKPOINT}): put it back, or choose another --run-dir")
+        # Nothing written yet, or killed before its first checkpoint: nothing to lose, so a
+        # supervisor that restarts with --resume until success gets a run, not a loop.
+        if _has_run(run_dir):
+            record = _restart_record(run_dir)
+            print(f"k3-train: {run_dir} stopped before its first checkpoint; nothing to "
+                  "resume, so the run starts from scratch", file=sys.stderr)
+        else:
+            print(f"k3-train: {run_dir} holds no run yet; nothing to resume, so the run "
+                  "starts", file=sys.stderr)
         resume = False
     elif resume:
         record = _read_record(run_dir)
@@ -266,7 +293,9 @@ def _resolve(command: TrainCommand) -> _Resolved:
         data_dir = resolve_data(command.data)
     horizon_unset = record is None and "decay_steps" not in {**toml.get("train", {}),
                                                             **command.overrides}
-    return _Resolved(config, model_config, data_dir, found if resume else None, horizon_unset)
+    recorded_data = record["data"]["dir"] if record is not None else None
+    return _Resolved(config, model_config, data_dir, found if resume else None, horizon_unset,
+                     recorded_data)
 
 
 def _observers(command: TrainCommand, metrics: MetricsLog) -> list[Any]:
@@ -306,7 +335,8 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
             resumed = trainer.resume(resolved.resume_from,
                                      allow_runtime_change=command.allow_runtime_change)
         except k3_checkpoint.CheckpointError as error:
-            raise _with_runtime_hint(error, command.allow_runtime_change) from error
+            raise _with_data_hint(_with_runtime_hint(error, command.allow_runtime_change),
+                                  resolved) from error
         runtime_changes = resumed.runtime_changes
         if trainer.state.step >= config.max_steps:
             # Success for a supervisor that restarts until the run is done.
@@ -319,21 +349,26 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
         with StopOnSignal(trainer):
             trainer.fit()  # the same training, writing nothing but its share of checkpoints
         return 0
-    if resolved.resume_from is None:
-        (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
-
+    try:  # the session's first writes: a run directory it cannot write is the user's to fix
+        if resolved.resume_from is None:
+            (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_record(run_dir, Session(
+            config.to_dict(), resolved.model_config.to_dict(),
+            preset=command.preset or command.toml.get("preset"),
+            data_dir=str(resolved.data_dir.resolve()),
+            manifest_digest=trainer.loaders.train.manifest_digest, device=str(device),
+            resumed_from_step=trainer.state.step if resolved.resume_from is not None else None,
+            data_parallel=parallel.describe() if parallel is not None else None))
+        metrics = MetricsLog(run_dir / METRICS)
+    except PermissionError as error:
+        raise RunError(f"--run-dir {run_dir} is not writable ({error.strerror}: "
+                       f"{error.filename}); fix its permissions or choose another --run-dir"
+                       ) from None
     # Said once every check has passed and the session is really going to train.
     for note in horizon_notes(config, horizon_unset=resolved.horizon_unset):
         print(f"k3-train: note: {note}", file=sys.stderr)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_record(run_dir, Session(
-        config.to_dict(), resolved.model_config.to_dict(),
-        preset=command.preset or command.toml.get("preset"),
-        data_dir=str(resolved.data_dir.resolve()),
-        manifest_digest=trainer.loaders.train.manifest_digest, device=str(device),
-        resumed_from_step=trainer.state.step if resolved.resume_from is not None else None,
-        data_parallel=parallel.describe() if parallel is not None else None))
-    with MetricsLog(run_dir / METRICS) as metrics:
+    with metrics:
         observers = _observers(command, metrics)
         trainer.callbacks.extend(observers)
         if runtime_changes:
@@ -357,6 +392,17 @@ def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
     return k3_checkpoint.CheckpointError(
         f"{error.reason}; pass --allow-runtime-change to continue anyway (no bitwise "
         "promise)", path=error.path)
+
+
+def _with_data_hint(error: k3_checkpoint.CheckpointError,
+                    resolved: _Resolved) -> k3_checkpoint.CheckpointError:
+    """``error``, naming the dataset folders when the checkpoint belongs to other data."""
+    if "belongs to different data" not in error.reason or resolved.recorded_data is None:
+        return error
+    return k3_checkpoint.CheckpointError(
+        f"{error.reason}; the run was trained on {resolved.recorded_data}, this session "
+        f"reads {resolved.data_dir} (pass --data with the run's dataset, unchanged)",
+        path=error.path)
 
 
 def _report_runtime_changes(log: MetricsLog, state: TrainState,

@@ -280,8 +280,8 @@ class TokenDataLoader:
                             f"loader reads split {self.split!r}")
         if state.get("manifest_digest") != self.manifest_digest:
             raise DataError(f"loader state belongs to different data (manifest digest "
-                            f"{state.get('manifest_digest')!r}, this dataset "
-                            f"{self.manifest_digest!r})")
+                            f"{state.get('manifest_digest')!r}; this loader reads "
+                            f"{self.path}, manifest digest {self.manifest_digest!r})")
         if isinstance(offset, bool) or not isinstance(offset, int) or not (
                 0 <= offset <= self.num_tokens):
             raise DataError(f"loader offset {offset!r} is outside split {self.split!r} "
