@@ -62,7 +62,8 @@ def test_each_record_format_yields_its_documents_in_order(kind, tmp_path):
         pa = pytest.importorskip("pyarrow")
         pq = pytest.importorskip("pyarrow.parquet")
         pq.write_table(pa.table({"id": list(range(30)), "text": DOCS}), path, row_group_size=7)
-    prepare_dataset([path], tmp_path / "data", PrepareOptions(val_fraction=0.1))
+    prepare_dataset([path], tmp_path / "data", PrepareOptions(val_fraction=0.1,
+                                                              shuffle_seed=None))
     train, manifest = _documents(tmp_path / "data")
     val, _ = _documents(tmp_path / "data", "val")
     # every 10th document (9, 19, 29) is validation; the rest are training, in order
@@ -70,7 +71,7 @@ def test_each_record_format_yields_its_documents_in_order(kind, tmp_path):
     assert train == [d for i, d in enumerate(DOCS) if i % 10 != 9]
     assert manifest["records"] == {"documents": 30, "empty": 0, "missing_field": 0,
                                    "not_text": 0}
-    assert manifest["validation"] == {"rule": "every_nth_document", "n": 10}
+    assert manifest["validation"] == {"rule": "every_nth_document", "n": 10, "order": "input"}
     assert manifest["source"]["files"][0]["sha256"] and manifest["source"]["files"][0]["bytes"]
 
 
@@ -88,7 +89,7 @@ def test_a_folder_mixing_formats_is_read_recursively_in_sorted_order(tmp_path):
         import pyarrow.parquet as pq
         pq.write_table(pa.table({"content": ["parquet row"]}), corpus / "b" / "e.parquet")
     prepare_dataset([corpus], tmp_path / "data",
-                    PrepareOptions(text_field="content", val_fraction=0.5))
+                    PrepareOptions(text_field="content", val_fraction=0.5, shuffle_seed=None))
     manifest = read_manifest(tmp_path / "data")
     names = [f["path"].split("/corpus/")[1] for f in manifest["source"]["files"]]
     assert names[:3] == ["a.txt", "b/c.jsonl.gz", "b/d.jsonl"] and names[-1] == "notes.md"
@@ -225,7 +226,7 @@ def test_tokenizer_training_is_deterministic(jsonl_corpus, tmp_path):
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
 def test_round_trip_decodes_the_first_document(tokenizer, jsonl_corpus, tmp_path):
     options = {"train_tokenizer": 320} if tokenizer == "bpe" else {}
-    prepare_dataset([jsonl_corpus], tmp_path / "d", PrepareOptions(**options))
+    prepare_dataset([jsonl_corpus], tmp_path / "d", PrepareOptions(**options, shuffle_seed=None))
     train, manifest = _documents(tmp_path / "d")
     assert train[0] == DOCS[0] and train[1] == DOCS[1]
     stats = manifest["split_stats"]
@@ -330,9 +331,10 @@ def test_an_old_format_dataset_asks_to_prepare_again(tmp_path):
 
 def test_the_byte_tokenizer_keeps_256_ids_with_0xff_between_documents(tmp_path):
     path = _jsonl(tmp_path / "c.jsonl", [{"text": "ab"}, {"text": "ü"}])
-    prepare_dataset([path], tmp_path / "d", PrepareOptions(val_fraction=0.5))
+    prepare_dataset([path], tmp_path / "d", PrepareOptions(val_fraction=0.5, shuffle_seed=None))
     assert np.load(tmp_path / "d" / "train_00000.npy").tolist() == [97, 98]
-    prepare_dataset([path, path], tmp_path / "e", PrepareOptions(val_fraction=0.5))
+    prepare_dataset([path, path], tmp_path / "e",
+                    PrepareOptions(val_fraction=0.5, shuffle_seed=None))
     assert np.load(tmp_path / "e" / "train_00000.npy").tolist() == [97, 98, 255, 97, 98]
     assert BytesCodec().decode([97, 255, 195, 188]) == "aü"
 

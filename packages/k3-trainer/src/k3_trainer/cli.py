@@ -27,6 +27,7 @@ from .checkpoint import find_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import DataError
 from .data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, default_workers
+from .data.shards import DEFAULT_SHUFFLE_SEED
 from .distributed import MODES, launched_by_torchrun, launched_rank, prog_name, torchrun_command
 from .interrupt import TrainingInterrupted
 from .runner import (
@@ -117,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tokenizer processes (default: all cores)")
     prepare.add_argument("--shard-tokens", type=_positive_int, metavar="N",
                          help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS})")
+    order = prepare.add_mutually_exclusive_group()
+    order.add_argument("--shuffle-seed", type=int, default=DEFAULT_SHUFFLE_SEED, metavar="N",
+                       help="documents are shuffled with this seed before the validation "
+                       f"split, the same for any --workers (default {DEFAULT_SHUFFLE_SEED})")
+    order.add_argument("--no-shuffle", action="store_true",
+                       help="keep the documents in input order")
 
     train = sub.add_parser("train", help="train a model, or continue one with --resume")
     train.add_argument("--run-dir", required=True, type=Path)
@@ -245,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 train_tokenizer=args.train_tokenizer,
                 tokenizer_sample_mb=args.tokenizer_sample, text_field=args.text_field,
                 eod_token=args.eod_token, workers=args.workers or default_workers(),
-                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS))
+                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+                shuffle_seed=None if args.no_shuffle else args.shuffle_seed))
         if args.command == "sample":
             sampling = Sampling(args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, seed=args.seed)

@@ -42,7 +42,14 @@ from typing import Any
 import numpy as np
 
 from .loader import MANIFEST, MANIFEST_FORMAT, DataError, file_sha256, token_dtype
-from .shards import SplitWriter, move_tail, write_table
+from .shards import (
+    BUCKET_BYTES,
+    DEFAULT_SHUFFLE_SEED,
+    DocumentShuffle,
+    SplitWriter,
+    move_tail,
+    write_table,
+)
 from .sources import (
     INVALID,
     InputFile,
@@ -87,7 +94,7 @@ class PrepareOptions:
     ``tokenizer_sample_mb`` MB of text, default all); ``eod_token`` names the
     end-of-document token of a given tokenizer (default: a known name); ``text_field`` is
     the text of JSONL records and Parquet rows; every ``round(1 / val_fraction)``-th
-    document is validation.
+    document is validation, after a seeded shuffle of the documents (``shuffle_seed``).
     """
 
     val_fraction: float = 0.05
@@ -98,6 +105,9 @@ class PrepareOptions:
     text_field: str = "text"
     eod_token: str | None = None
     workers: int = 1
+    shuffle_seed: int | None = DEFAULT_SHUFFLE_SEED
+    """Documents are shuffled with this seed before the validation split (None: kept in
+    input order)."""
 
 
 def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path,
@@ -132,16 +142,23 @@ def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path,
         every = max(2, round(1 / val_fraction))
         writers = {split: SplitWriter(staging, split, dtype, shard_tokens, table, codec.eod_id)
                    for split in ("train", "val")}
-        _tokenize_into(corpus, codec, writers, every, workers, progress)
+        sink = _Splitter(writers, every)
+        order: dict[str, Any] = {"order": "input"}
+        if options.shuffle_seed is not None:
+            buckets = max(1, -(-corpus.input_bytes() // BUCKET_BYTES))
+            shuffle = DocumentShuffle(staging, options.shuffle_seed, buckets, dtype)
+            sink = _Shuffled(writers, every, shuffle)
+            order = {"order": "shuffled", "seed": options.shuffle_seed, "buckets": buckets}
+        _tokenize_into(corpus, codec, sink, workers, progress)
         train, val = writers["train"], writers["val"]
         if train.tokens + val.tokens < 2:
             raise DataError(f"the corpus is empty: nothing to train on ({corpus.skipped_note()})")
         if val.documents:
-            rule: dict[str, Any] = {"rule": "every_nth_document", "n": every}
+            rule: dict[str, Any] = {"rule": "every_nth_document", "n": every, **order}
         else:
             move_tail(train, val, val_fraction)
             rule = {"rule": "token_tail", "fraction": val_fraction,
-                    "why": f"fewer than {every} documents"}
+                    "why": f"fewer than {every} documents", **order}
 
         manifest: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
@@ -164,7 +181,7 @@ def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path,
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # the shuffle buckets with it
         raise
     return manifest
 
@@ -212,6 +229,12 @@ class _Corpus:
         c = self.counts()
         return (f"{c.documents} documents; skipped {c.empty} empty, {c.missing_field} without "
                 f"{self.text_field!r}, {c.not_text} with a non-text {self.text_field!r}")
+
+    def input_bytes(self) -> int:
+        """The inputs' size on disk (compressed files count as stored): sizes the shuffle."""
+        if self.builtin is not None:
+            return len(self.builtin[0])
+        return sum(f.path.stat().st_size for f in self.files)
 
     def describe(self) -> dict[str, Any]:
         if self.builtin is not None:
@@ -344,13 +367,62 @@ def _tokenized(tasks: Iterator[Task], codec: Codec, workers: int
             yield meta, result.get()
 
 
-def _tokenize_into(corpus: _Corpus, codec: Codec, writers: dict[str, SplitWriter],
-                   every: int, workers: int, progress: bool) -> None:
+class _Splitter:
+    """Documents in the order they come: every ``every``-th is validation."""
+
+    def __init__(self, writers: dict[str, SplitWriter], every: int) -> None:
+        self.writers, self.every = writers, every
+        self.document, self.split, self.added = -1, "train", 0
+
+    def add(self, ids: np.ndarray, starts_document: bool) -> None:
+        if starts_document:
+            self.document += 1
+            self.split = "val" if self.document % self.every == self.every - 1 else "train"
+        self.writers[self.split].add(ids, starts_document)
+
+    def commit(self) -> int:
+        return sum(writer.commit() for writer in self.writers.values())
+
+    def finish(self) -> None:
+        for writer in self.writers.values():
+            writer.flush()
+
+
+class _Shuffled(_Splitter):
+    """Documents in a seeded shuffled order (:class:`DocumentShuffle`), then split as they
+    come: the training stream and the validation prefix both sample the whole corpus."""
+
+    def __init__(self, writers: dict[str, SplitWriter], every: int,
+                 shuffle: DocumentShuffle) -> None:
+        super().__init__(writers, every)
+        self.shuffle = shuffle
+
+    def add(self, ids: np.ndarray, starts_document: bool) -> None:
+        self.shuffle.add(ids, starts_document)
+        self.added += len(ids)
+
+    def commit(self) -> int:
+        added, self.added = self.added, 0
+        return added
+
+    def finish(self) -> None:
+        def take(ids: np.ndarray) -> None:
+            super(_Shuffled, self).add(ids, True)
+            if self.document % 4096 == 0:
+                super(_Shuffled, self).commit()
+
+        self.shuffle.drain(take)
+        super().commit()
+        super().finish()
+
+
+def _tokenize_into(corpus: _Corpus, codec: Codec, sink: _Splitter, workers: int,
+                   progress: bool) -> None:
     from tqdm import tqdm
 
     bar = tqdm(unit="B", unit_scale=True, desc="prepare", disable=not progress,
                dynamic_ncols=True, file=sys.stderr)
-    start, tokens, document = time.perf_counter(), 0, -1
+    start, tokens = time.perf_counter(), 0
     with bar:
         for meta, (statuses, ids, offsets, size) in _tokenized(_tasks(corpus.pieces()), codec,
                                                                workers):
@@ -362,13 +434,9 @@ def _tokenize_into(corpus: _Corpus, codec: Codec, writers: dict[str, SplitWriter
                     piece.file.counts.count(status)
                 if status != "documents":
                     continue
-                document += piece.starts_document
-                split = "val" if document % every == every - 1 else "train"
-                writers[split].add(ids[offsets[kept]:offsets[kept + 1]], piece.starts_document)
+                sink.add(ids[offsets[kept]:offsets[kept + 1]], piece.starts_document)
                 kept += 1
-            for writer in writers.values():
-                tokens += writer.commit()
+            tokens += sink.commit()
             bar.update(size)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.3g}", refresh=False)
-    for writer in writers.values():
-        writer.flush()
+    sink.finish()

@@ -112,3 +112,64 @@ def move_tail(train: SplitWriter, val: SplitWriter, fraction: float) -> None:
 def write_table(folder: Path, table: np.ndarray) -> dict[str, Any]:
     """The bytes-per-token table next to the shards (what bits per byte divides by)."""
     return {"file": TOKEN_BYTES, "sha256": save_npy(folder / TOKEN_BYTES, table)}
+
+
+DEFAULT_SHUFFLE_SEED = 20_251_202
+"""``prepare``'s document shuffle seed unless ``--shuffle-seed`` names another."""
+BUCKET_BYTES = 256 << 20  # input text per shuffle bucket: what one bucket holds in memory
+
+
+class DocumentShuffle:
+    """A seeded shuffle of a stream of documents too large for memory.
+
+    Each document goes, as it arrives, to one of ``buckets`` temporary files chosen by a
+    seeded hash of its index; :meth:`drain` then reads the buckets one at a time, permutes
+    each with a generator seeded by the seed and the bucket, and hands the documents on in
+    that order. The order depends on the seed, the documents and the bucket count only
+    (never on how many workers tokenized them), and memory holds one bucket at a time.
+    """
+
+    def __init__(self, folder: Path, seed: int, buckets: int, dtype: str) -> None:
+        self.folder, self.seed, self.dtype = folder, seed, dtype
+        self.files = [open(folder / f".shuffle-{b:05d}.bin", "wb")  # noqa: SIM115
+                      for b in range(buckets)]
+        self.lengths: list[list[int]] = [[] for _ in range(buckets)]
+        self.document = -1
+        self.bucket = 0
+
+    def add(self, ids: np.ndarray, starts_document: bool) -> None:
+        """A piece of the current document, or the first piece of the next one."""
+        if starts_document:
+            self.document += 1
+            self.bucket = _bucket(self.seed, self.document, len(self.files))
+            self.lengths[self.bucket].append(0)
+        self.files[self.bucket].write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
+        self.lengths[self.bucket][-1] += len(ids)
+
+    def drain(self, take: Any) -> None:
+        """Call ``take(ids)`` for every document in the shuffled order; deletes the buckets."""
+        for file in self.files:
+            file.close()
+        for b, file in enumerate(self.files):
+            path = Path(file.name)
+            tokens = np.fromfile(path, dtype=self.dtype)
+            path.unlink()
+            lengths = np.asarray(self.lengths[b], dtype=np.int64)
+            ends = np.cumsum(lengths)
+            order = np.random.default_rng([self.seed, b]).permutation(len(lengths))
+            for d in order:
+                take(tokens[ends[d] - lengths[d]:ends[d]])
+
+    def close(self) -> None:
+        """Remove what is left (a failed prepare)."""
+        for file in self.files:
+            file.close()
+            Path(file.name).unlink(missing_ok=True)
+
+
+def _bucket(seed: int, document: int, buckets: int) -> int:
+    """A seeded, well-mixed hash of the document's index (SplitMix64's finalizer)."""
+    x = (seed * 0x9E3779B97F4A7C15 + document + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) % buckets
