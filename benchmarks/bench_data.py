@@ -41,7 +41,7 @@ from pathlib import Path
 
 from common import print_table, write_json
 from k3_trainer import PrepareOptions, prepare_dataset
-from k3_trainer.data.prepare import builtin_corpus, default_workers
+from k3_trainer.data import builtin_corpus, default_workers
 from k3_trainer.data.tokenizer import HFCodec, train_bpe
 
 TARGET = 0.8

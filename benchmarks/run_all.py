@@ -28,6 +28,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("model", "bench_model.py", []),
     ("compile", "bench_compile.py", ["--presets", "tiny"]),
     ("distributed", "bench_distributed.py", []),
+    ("cli", "bench_cli.py", []),
     ("gpu_check", "gpu_check.py", None),  # CUDA checks, or a CPU smoke run without CUDA
 ]
 

@@ -140,3 +140,21 @@ def test_eval_reports_what_it_measured_and_clamps_to_the_split(tmp_path, data_di
                                    f"evaluating all {available}")
     with pytest.raises(SystemExit):
         main(["eval", "--run-dir", str(run), "--batches", "some"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["train", "--help"], ["eval", "--help"], ["sample", "--help"],
+    ["prepare", "--help"], ["inspect", "--help"], ["report", "--help"],
+    ["train", "--run-dir", "r", "--bogus", "1"], ["train"], ["eval", "--batches", "x"],
+])
+def test_help_and_argument_errors_answer_without_importing_torch(argv):
+    """What makes them answer in well under a second: torch is imported only once a
+    command runs (time it with benchmarks/bench_cli.py)."""
+    code = ("import sys\nfrom k3_trainer.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit as exit:\n    status = exit.code\n"
+            "print(status, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    status, imported = done.stdout.split()[-2:]
+    assert status == ("0" if argv[-1] == "--help" else "2"), done.stderr
+    assert imported == "False"

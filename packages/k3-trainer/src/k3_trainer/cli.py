@@ -17,31 +17,16 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-
-from k3_checkpoint import CheckpointError
-
-from .checkpoint import find_checkpoint
+# Only torch-free modules here: --help and argument errors answer before torch is
+# imported (main() imports what a command needs once the arguments parse).
 from .config import ConfigError, TrainConfig
-from .data import DataError
-from .data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, default_workers
-from .data.shards import DEFAULT_SHUFFLE_SEED
-from .distributed import MODES, launched_by_torchrun, launched_rank, prog_name, torchrun_command
-from .interrupt import TrainingInterrupted
-from .runner import (
-    RunError,
-    SampleCommand,
-    TrainCommand,
-    run_eval,
-    run_inspect,
-    run_prepare,
-    run_report,
-    run_sample,
-    run_train,
-)
-from .sample import Sampling
+from .data.options import DEFAULT_SHARD_TOKENS, DEFAULT_SHUFFLE_SEED
+from .launch import MODES, launched_by_torchrun, launched_rank, prog_name, torchrun_command
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -209,6 +194,8 @@ def _read_toml(path: Path | None) -> dict[str, Any]:
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -244,42 +231,22 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return _launch(args.nproc, list(sys.argv[1:] if argv is None else argv))
+    from k3_checkpoint import CheckpointError
+
+    from .data import DataError
+    from .interrupt import TrainingInterrupted
+    from .runner import RunError
+
     who = prog_name()
     try:
-        if args.command == "prepare":
-            return run_prepare(args.inputs, args.out, PrepareOptions(
-                val_fraction=args.val_fraction, tokenizer=args.tokenizer,
-                train_tokenizer=args.train_tokenizer,
-                tokenizer_sample_mb=args.tokenizer_sample, text_field=args.text_field,
-                eod_token=args.eod_token, workers=args.workers or default_workers(),
-                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
-                shuffle_seed=None if args.no_shuffle else args.shuffle_seed))
-        if args.command == "sample":
-            sampling = Sampling(args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, seed=args.seed)
-            return run_sample(SampleCommand(args.run_dir, sampling, prompt=args.prompt,
-                                            device=_device(args.device)))
-        if args.command == "inspect":
-            return run_inspect(args.checkpoint)
-        if args.command == "report":
-            return run_report(args.run_dir)
-        if args.command == "eval":
-            return run_eval(args.run_dir, args.data, args.batches, _device(args.device))
-        overrides = {name[4:]: value for name, value in vars(args).items()
-                     if name.startswith("cfg_") and value is not None}
-        return run_train(TrainCommand(
-            args.run_dir, data=args.data, toml=_read_toml(args.config), resume=args.resume,
-            preset=args.preset, overrides=overrides, device=_device(args.device),
-            report=args.report, tensorboard=args.tensorboard,
-            profile_start=args.profile_start, profile_steps=args.profile_steps,
-            allow_runtime_change=args.allow_runtime_change, parallel=args.parallel))
+        return _run(args)
     except (ConfigError, DataError, CheckpointError, RunError, FileNotFoundError) as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
     except FloatingPointError as exc:
         print(f"{who}: training diverged: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # disk full, read-only run directory, ...: the environment
+    except OSError as exc:  # disk full, a vanished run directory, ...: the environment
         print(f"{who}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
@@ -293,10 +260,48 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _run(args: argparse.Namespace) -> int:
+    """The parsed command, run (this is where torch is imported)."""
+    from . import runner
+    from .data.options import PrepareOptions, default_workers
+    from .sample import Sampling
+
+    if args.command == "prepare":
+        return runner.run_prepare(args.inputs, args.out, PrepareOptions(
+            val_fraction=args.val_fraction, tokenizer=args.tokenizer,
+            train_tokenizer=args.train_tokenizer, tokenizer_sample_mb=args.tokenizer_sample,
+            text_field=args.text_field, eod_token=args.eod_token,
+            workers=args.workers or default_workers(),
+            shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+            shuffle_seed=None if args.no_shuffle else args.shuffle_seed))
+    if args.command == "sample":
+        sampling = Sampling(args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, seed=args.seed)
+        return runner.run_sample(runner.SampleCommand(args.run_dir, sampling,
+                                                      prompt=args.prompt,
+                                                      device=_device(args.device)))
+    if args.command == "inspect":
+        return runner.run_inspect(args.checkpoint)
+    if args.command == "report":
+        return runner.run_report(args.run_dir)
+    if args.command == "eval":
+        return runner.run_eval(args.run_dir, args.data, args.batches, _device(args.device))
+    overrides = {name[4:]: value for name, value in vars(args).items()
+                 if name.startswith("cfg_") and value is not None}
+    return runner.run_train(runner.TrainCommand(
+        args.run_dir, data=args.data, toml=_read_toml(args.config), resume=args.resume,
+        preset=args.preset, overrides=overrides, device=_device(args.device),
+        report=args.report, tensorboard=args.tensorboard, profile_start=args.profile_start,
+        profile_steps=args.profile_steps, allow_runtime_change=args.allow_runtime_change,
+        parallel=args.parallel))
+
+
 def _what_is_kept(args: argparse.Namespace) -> str:
     """What an interrupted command leaves, without naming a checkpoint that does not exist."""
     if args.command != "train":
         return "nothing was changed"
+    from .checkpoint import find_checkpoint
+
     if find_checkpoint(args.run_dir) is None:
         return "no checkpoint was written"
     return "the run's last checkpoint is intact; continue with --resume"

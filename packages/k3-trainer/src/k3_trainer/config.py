@@ -7,17 +7,24 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from k3_optim import COEFFICIENT_SETS, UPDATE_SCALES
-from k3_qkclip import GQA_MODES
-
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine")
 NS_DTYPES = ("auto", "bf16", "fp32", "fp64")
 ACTIVATION_CHECKPOINTING = ("none", "block")
-NS_COEFFICIENTS = tuple(COEFFICIENT_SETS)  # k3-optim's named sets
-# UPDATE_SCALES (k3-optim) and QK_CLIP_GQA_MODES (k3-qkclip) come from the packages that
-# implement them, so a mode added there is accepted here without a second list.
-QK_CLIP_GQA_MODES = GQA_MODES
+
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of every string field. Muon's coefficient sets and update scales
+    (k3-optim) and QK-Clip's GQA modes (k3-qkclip) come from the packages that implement
+    them, so a mode added there is accepted here without a second list; they are imported
+    here, not at module import, so the command line answers without importing torch."""
+    from k3_optim import COEFFICIENT_SETS, UPDATE_SCALES
+    from k3_qkclip import GQA_MODES
+
+    return {"precision": PRECISIONS, "lr_schedule": SCHEDULES, "muon_ns_dtype": NS_DTYPES,
+            "muon_ns_coefficients": tuple(COEFFICIENT_SETS),
+            "muon_update_scale": tuple(UPDATE_SCALES), "qk_clip_gqa": tuple(GQA_MODES),
+            "activation_checkpointing": ACTIVATION_CHECKPOINTING}
 
 
 class ConfigError(ValueError):
@@ -99,12 +106,7 @@ class TrainConfig:
         for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name, allowed in (("precision", PRECISIONS), ("lr_schedule", SCHEDULES),
-                              ("muon_ns_dtype", NS_DTYPES),
-                              ("muon_ns_coefficients", NS_COEFFICIENTS),
-                              ("muon_update_scale", UPDATE_SCALES),
-                              ("qk_clip_gqa", QK_CLIP_GQA_MODES),
-                              ("activation_checkpointing", ACTIVATION_CHECKPOINTING)):
+        for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"

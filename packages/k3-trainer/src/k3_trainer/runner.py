@@ -36,7 +36,8 @@ from .config import ConfigError, TrainConfig
 from .contract import check_model
 from .data import TokenDataLoader, check_vocab_fits, load_codec
 from .data.loader import MANIFEST_FORMAT
-from .data.prepare import PrepareOptions, describe_prepared, prepare_dataset
+from .data.options import PrepareOptions
+from .data.prepare import describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
 from .evaluate import evaluate_split
 from .interrupt import StopOnSignal

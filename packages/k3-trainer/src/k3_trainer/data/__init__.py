@@ -1,20 +1,35 @@
-"""Data: corpora prepared into immutable token shards, and the loader that reads them."""
+"""Data: corpora prepared into immutable token shards, and the loader that reads them.
 
-from .loader import (
-    DataError,
-    DataExhausted,
-    TokenDataLoader,
-    check_vocab_fits,
-    read_manifest,
-)
-from .prepare import (
-    PrepareOptions,
-    builtin_corpus,
-    default_workers,
-    describe_prepared,
-    prepare_dataset,
-)
-from .tokenizer import BytesCodec, Codec, HFCodec, load_codec
+The names load on first use (PEP 562): :mod:`k3_trainer.data.options` stays torch-free
+for the command line.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .loader import (
+        DataError,
+        DataExhausted,
+        TokenDataLoader,
+        check_vocab_fits,
+        read_manifest,
+    )
+    from .options import PrepareOptions, default_workers
+    from .prepare import builtin_corpus, describe_prepared, prepare_dataset
+    from .tokenizer import BytesCodec, Codec, HFCodec, load_codec
+
+_EXPORTS = {
+    "DataError": ".loader", "DataExhausted": ".loader", "TokenDataLoader": ".loader",
+    "check_vocab_fits": ".loader", "read_manifest": ".loader",
+    "PrepareOptions": ".options", "default_workers": ".options",
+    "builtin_corpus": ".prepare", "describe_prepared": ".prepare",
+    "prepare_dataset": ".prepare",
+    "BytesCodec": ".tokenizer", "Codec": ".tokenizer", "HFCodec": ".tokenizer",
+    "load_codec": ".tokenizer",
+}
 
 __all__ = [
     "BytesCodec",
@@ -32,3 +47,12 @@ __all__ = [
     "prepare_dataset",
     "read_manifest",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'k3_trainer.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

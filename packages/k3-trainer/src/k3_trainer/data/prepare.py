@@ -35,16 +35,14 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .loader import MANIFEST, MANIFEST_FORMAT, DataError, file_sha256, token_dtype
+from .options import BUCKET_BYTES, PrepareOptions
 from .shards import (
-    BUCKET_BYTES,
-    DEFAULT_SHUFFLE_SEED,
     DocumentShuffle,
     SplitWriter,
     move_tail,
@@ -62,7 +60,6 @@ from .sources import (
 )
 from .tokenizer import TOKENIZER_FILE, BytesCodec, Codec, HFCodec, codec_from_spec, train_bpe
 
-DEFAULT_SHARD_TOKENS = 1 << 24
 TASK_CHARS = 1 << 19  # about 0.5 MB of text per worker task
 TASK_PIECES = 4096
 TASKS_IN_FLIGHT_PER_WORKER = 2
@@ -76,38 +73,6 @@ def builtin_corpus() -> tuple[str, dict[str, Any]]:
     text = "\n\n".join(topics.topics[name].strip() for name in names) + "\n"
     return text, {"builtin": "pydoc_data.topics", "python": sys.version.split()[0],
                   "topics": len(names)}
-
-
-def default_workers() -> int:
-    """All cores this process may run on."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity else os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class PrepareOptions:
-    """How ``prepare_dataset`` reads, tokenizes and splits a corpus (``k3-train prepare``'s
-    options).
-
-    ``tokenizer`` is ``"bytes"`` or the path of a ``tokenizers`` file; ``train_tokenizer``
-    trains a byte-level BPE of that vocabulary size on the inputs (the first
-    ``tokenizer_sample_mb`` MB of text, default all); ``eod_token`` names the
-    end-of-document token of a given tokenizer (default: a known name); ``text_field`` is
-    the text of JSONL records and Parquet rows; every ``round(1 / val_fraction)``-th
-    document is validation, after a seeded shuffle of the documents (``shuffle_seed``).
-    """
-
-    val_fraction: float = 0.05
-    shard_tokens: int = DEFAULT_SHARD_TOKENS
-    tokenizer: str | Path = "bytes"
-    train_tokenizer: int | None = None
-    tokenizer_sample_mb: float | None = None
-    text_field: str = "text"
-    eod_token: str | None = None
-    workers: int = 1
-    shuffle_seed: int | None = DEFAULT_SHUFFLE_SEED
-    """Documents are shuffled with this seed before the validation split (None: kept in
-    input order)."""
 
 
 def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path,

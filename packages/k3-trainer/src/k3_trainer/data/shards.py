@@ -114,11 +114,6 @@ def write_table(folder: Path, table: np.ndarray) -> dict[str, Any]:
     return {"file": TOKEN_BYTES, "sha256": save_npy(folder / TOKEN_BYTES, table)}
 
 
-DEFAULT_SHUFFLE_SEED = 20_251_202
-"""``prepare``'s document shuffle seed unless ``--shuffle-seed`` names another."""
-BUCKET_BYTES = 256 << 20  # input text per shuffle bucket: what one bucket holds in memory
-
-
 class DocumentShuffle:
     """A seeded shuffle of a stream of documents too large for memory.
 
