@@ -66,7 +66,6 @@ def test_user_errors_are_one_line_without_traceback(tmp_path, data_dir, config_f
     capsys.readouterr()
     cases = [
         (["train", "--run-dir", str(run), "--data", str(data_dir)], "already holds a run"),
-        (["train", "--run-dir", str(tmp_path / "new"), "--resume"], "not found"),
         (["train", "--run-dir", str(tmp_path / "x"), "--data", str(data_dir), "--batch-size",
           "0"], "batch_size"),
         (["train", "--run-dir", str(tmp_path / "x"), "--data", str(data_dir), "--precision",
