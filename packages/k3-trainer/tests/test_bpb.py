@@ -14,7 +14,7 @@ from k3_model import K3Model
 from k3_trainer import PrepareOptions, TokenDataLoader, evaluate, prepare_dataset
 from k3_trainer.cli import main
 from k3_trainer.data import load_codec
-from k3_trainer.evaluate import evaluate_split
+from k3_trainer.evaluation import evaluate_split
 from k3_trainer.observe.metrics import read_events
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3_trainer import DataExhausted, evaluate
-from k3_trainer.evaluate import evaluate_split
+from k3_trainer.evaluation import evaluate_split
 
 
 class ListLoader:

@@ -12,7 +12,7 @@ import pytest
 from k3_trainer import PrepareOptions, TrainConfig, prepare_dataset, read_manifest
 from k3_trainer.cli import main
 from k3_trainer.data import load_codec
-from k3_trainer.data import shards as shards_module
+from k3_trainer.data.options import DEFAULT_SHUFFLE_SEED
 
 # Two halves that differ sharply, as a corpus of concatenated sources does.
 DOCS = [f"alpha document {i}: licenses and notices" for i in range(200)] + \
@@ -53,7 +53,7 @@ def test_the_training_start_and_the_validation_prefix_sample_both_halves(tmp_pat
     assert Counter(d.strip("\xff") for d in every) == Counter(DOCS)
     validation = read_manifest(tmp_path / "d")["validation"]
     assert validation["order"] == "shuffled"
-    assert validation["seed"] == shards_module.DEFAULT_SHUFFLE_SEED
+    assert validation["seed"] == DEFAULT_SHUFFLE_SEED
 
 
 def test_no_shuffle_keeps_the_input_order_and_seeds_decide_the_order(tmp_path):

@@ -255,3 +255,16 @@ def test_eval_and_sample_build_no_optimizer(data_dir, tmp_path, monkeypatch, cap
     assert main(["eval", "--run-dir", str(run)]) == 0
     assert capsys.readouterr().out.startswith("step 2: val_loss ")
     assert main(["sample", "--run-dir", str(run), "--max-new-tokens", "4", "--seed", "0"]) == 0
+
+
+def test_lazy_public_names_are_never_shadowed_by_submodules():
+    """The public names load on first use; a submodule of the same name would replace one
+    as soon as anything imports it (``k3_trainer.evaluate`` was such a case)."""
+    import k3_trainer.data
+
+    for info in pkgutil.walk_packages(k3_trainer.__path__, "k3_trainer."):
+        importlib.import_module(info.name)
+    for package in (k3_trainer, k3_trainer.data):
+        for name in package.__all__:
+            if name != "__version__":
+                assert not inspect.ismodule(getattr(package, name)), f"{package.__name__}.{name}"

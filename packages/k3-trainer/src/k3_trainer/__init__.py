@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         prepare_dataset,
         read_manifest,
     )
-    from .evaluate import (
+    from .evaluation import (
         EvalResult,
         evaluate,
         evaluate_split,
@@ -94,9 +94,9 @@ _EXPORTS = {
     "builtin_corpus": ".data",
     "prepare_dataset": ".data",
     "read_manifest": ".data",
-    "EvalResult": ".evaluate",
-    "evaluate": ".evaluate",
-    "evaluate_split": ".evaluate",
+    "EvalResult": ".evaluation",
+    "evaluate": ".evaluation",
+    "evaluate_split": ".evaluation",
     "LogLines": ".observe",
     "MetricsLog": ".observe",
     "MoEDiagnostics": ".observe",

@@ -39,7 +39,7 @@ from .data.loader import MANIFEST_FORMAT
 from .data.options import PrepareOptions
 from .data.prepare import describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
-from .evaluate import evaluate_split
+from .evaluation import evaluate_split
 from .interrupt import StopOnSignal
 from .observe import (
     LogLines,

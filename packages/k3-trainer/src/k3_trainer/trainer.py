@@ -28,7 +28,7 @@ from .config import TrainConfig
 from .contract import ModelContract, check_model
 from .data import DataExhausted, TokenDataLoader, check_vocab_fits
 from .distributed import Parallel
-from .evaluate import evaluate_split
+from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
 from .precision import (
