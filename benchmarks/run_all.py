@@ -29,6 +29,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("compile", "bench_compile.py", ["--presets", "tiny"]),
     ("distributed", "bench_distributed.py", []),
     ("cli", "bench_cli.py", []),
+    ("threads", "bench_threads.py", []),
     ("gpu_check", "gpu_check.py", None),  # CUDA checks, or a CPU smoke run without CUDA
 ]
 

@@ -145,8 +145,9 @@ def test_another_world_size_resumes_only_when_allowed(parallel, continuous, conf
             "--device", "cpu", "--data", data_dir]
     strict = k3_train(*args)
     assert strict.returncode == 2 and "data_parallel" in strict.stderr
-    assert strict.stderr.rstrip().endswith("pass --allow-runtime-change to continue anyway "
-                                           "(no bitwise promise)")
+    assert strict.stderr.rstrip().endswith(
+        f"; relaunch as the run was launched (--parallel {parallel} --nproc 2), or pass "
+        "--allow-runtime-change to continue anyway (no bitwise promise)")
     assert find_checkpoint(run_dir) is not None and "runtime_changed" not in (
         run_dir / "metrics.jsonl").read_text()
     allowed = k3_train(*args, "--allow-runtime-change")

@@ -1,6 +1,6 @@
 """``--compile`` under torchrun: 2 CPU ranks (gloo) with regional compile follow eager ranks.
 
-``k3-train train --parallel ddp|fsdp --compile true`` compiles each decoder block; FSDP2's
+``k3-train train --parallel ddp|fsdp --compile`` compiles each decoder block; FSDP2's
 and DDP's hooks stay outside the block graphs, while QK-Clip's observation and the MoE
 balancer's all-gather of every rank's tokens run inside them. One eager 2-rank run is the
 reference for both wrappers: per-step losses within 1e-3 relative, the same QK-Clip
@@ -63,7 +63,7 @@ def eager(tmp_path_factory, data_dir, config) -> list[dict]:
 @pytest.mark.parametrize("parallel, checkpointing", [("ddp", "none"), ("fsdp", "block")])
 def test_compiled_ranks_follow_eager_ranks(parallel, checkpointing, eager, config, tmp_path,
                                            data_dir):
-    events = _train_2_ranks(tmp_path / "run", data_dir, config, parallel, "--compile", "true",
+    events = _train_2_ranks(tmp_path / "run", data_dir, config, parallel, "--compile",
                             "--activation-checkpointing", checkpointing)
     start, end = _of(events, "session_start")[0], _of(events, "session_end")[-1]
     assert start["compile"] is True and start["activation_checkpointing"] == checkpointing

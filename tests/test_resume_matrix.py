@@ -36,7 +36,7 @@ ROWS = {
     "fp32": ([], 6, [2, 3, 5], {}),
     "bf16-autocast": (["--precision", "bf16"], 4, [2], {}),
     "gradient-accumulation-3": (["--gradient-accumulation-steps", "3"], 4, [1], {}),
-    "overfit-batch": (["--overfit-batch", "true"], 5, [2], {}),
+    "overfit-batch": (["--overfit-batch"], 5, [2], {}),
     "qk-clip-clipping": (["--qk-clip-tau", "0.01"], 5, [2], {}),
     "moe-preset-tiny": ([], 4, [2], {"model": None}),
     "cosine-across-warmup": (["--warmup-steps", "4", "--decay-steps", "8"], 8, [3, 6], {}),

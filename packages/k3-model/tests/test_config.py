@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -166,3 +170,21 @@ def test_presets_are_k3_shaped(name):
     assert c.moe_latent_dim > 0 and c.n_shared_experts >= 1 and c.n_dense_layers == 1
     sizes = [count_parameters(PRESETS[n]).total for n in ("tiny", "small", "base")]
     assert sizes == sorted(sizes) and sizes[-1] > 1e9
+
+
+def test_config_and_presets_import_without_torch():
+    """A command line lists the presets and the config's fields before it needs torch."""
+    code = ("import sys\nfrom k3_model.config import K3Config\nfrom k3_model.presets import "
+            "PRESETS\nimport k3_model\nassert k3_model.preset('tiny') is PRESETS['tiny']\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["False"], done.stderr
+
+
+def test_every_field_is_documented_for_the_command_line():
+    """Each field's docstring is its ``k3-train train --help`` line."""
+    source = inspect.getsource(K3Config)
+    for field in dataclasses.fields(K3Config):
+        after = source.split(f"\n    {field.name}: ", 1)[1].split("\n", 2)[1].strip()
+        assert after.startswith('"""') and len(after) > 6, field.name

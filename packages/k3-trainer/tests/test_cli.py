@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -72,8 +73,6 @@ def test_user_errors_are_one_line_without_traceback(tmp_path, data_dir, config_f
           "fp16"], "fp16"),
         (["train", "--run-dir", str(tmp_path / "x"), "--data", str(tmp_path / "nodata")],
          "manifest.json not found"),
-        (["train", "--run-dir", str(tmp_path / "x"), "--data", str(data_dir), "--preset",
-          "huge"], "preset"),
         (["train", "--run-dir", str(run), "--resume", "--max-steps", "1"], "max_steps"),
         (["train", "--run-dir", str(run), "--resume", "--preset", "small"],
          "incompatible vocab_size"),
@@ -157,3 +156,111 @@ def test_help_and_argument_errors_answer_without_importing_torch(argv):
     status, imported = done.stdout.split()[-2:]
     assert status == ("0" if argv[-1] == "--help" else "2"), done.stderr
     assert imported == "False"
+
+
+def test_train_flags_are_generated_from_the_documented_config_fields(capsys):
+    """Every TrainConfig and K3Config field is a flag whose help line is the field's
+    docstring with its default; Literal fields list their values; booleans are flags."""
+    from k3_model import K3Config
+    from k3_trainer.config import TrainConfig
+    from k3_trainer.flags import field_docs
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for cls in (TrainConfig, K3Config):
+        docs = field_docs(cls)
+        for field in dataclasses.fields(cls):
+            assert docs.get(field.name), f"{cls.__name__}.{field.name} has no docstring"
+            flag = "--" + field.name.replace("_", "-")
+            assert f"{flag} " in text, flag
+            first_words = " ".join(docs[field.name].rstrip(".").split()[:4])
+            assert first_words in text.split(flag, 2)[-1], (flag, first_words)
+    assert "--compile, --no-compile torch.compile each decoder block" in text
+    assert "(default: off)" in text and "(default: cosine)" in text
+    assert "--precision {fp32,bf16,fp16}" in text
+    assert "--preset {tiny,small,base}" in text
+    assert "(default: the preset's; tiny 256, small 32768, base 65536)" in text
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["--compile"], "train:compile", True),
+    (["--no-compile"], "train:compile", False),
+    (["--no-qk-clip-enabled"], "train:qk_clip_enabled", False),
+    (["--peak-lr", "1e-3"], "train:peak_lr", 1e-3),
+    (["--vocab-size", "512"], "model:vocab_size", 512),
+    (["--no-mla-gate"], "model:mla_gate", False),
+    ([], "train:compile", None),  # not given: the config file's or the run's value applies
+])
+def test_flags_parse_to_config_values(argv, field, value):
+    from k3_trainer.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--run-dir", "r", *argv])
+    assert getattr(args, field) == value
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compile", "true"], "unrecognized arguments: true"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--vocab-size", "many"], "argument --vocab-size: expected an integer, got 'many'"),
+])
+def test_bad_flag_values_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["train", "--run-dir", "r", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_config_literals_are_the_packages_own_names():
+    """TrainConfig spells k3-optim's and k3-qkclip's names so that --help imports no torch;
+    they must stay the names those packages accept."""
+    from typing import get_args
+
+    from k3_optim import COEFFICIENT_SETS, UPDATE_SCALES
+    from k3_qkclip import GQA_MODES
+    from k3_trainer.config import GQAMode, NSCoefficients, UpdateScale
+
+    assert get_args(NSCoefficients) == tuple(COEFFICIENT_SETS)
+    assert get_args(UpdateScale) == tuple(UPDATE_SCALES)
+    assert get_args(GQAMode) == tuple(GQA_MODES)
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory):
+    """A dataset whose trained BPE (300 tokens) is larger than the tiny preset's 256."""
+    root = tmp_path_factory.mktemp("bpe")
+    text = root / "corpus.txt"
+    text.write_text("".join(f"document {i}: the quick brown fox jumps over the lazy dog "
+                            f"{i * 7 % 13} times.\n\n" for i in range(400)))
+    assert main(["prepare", str(text), "--out", str(root / "data"), "--train-tokenizer", "300",
+                 "--val-fraction", "0.1"]) == 0
+    return root / "data"
+
+
+def _vocab_of(run):
+    return json.loads((run / "run.json").read_text())["model_config"]["vocab_size"]
+
+
+def test_vocab_size_follows_a_larger_tokenizer_and_says_so(tmp_path, bpe_data, config_file,
+                                                           capsys):
+    run = tmp_path / "follows"
+    capsys.readouterr()
+    assert _train(run, bpe_data, config_file, "--max-steps", "1") == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "vocab_size" in line]
+    assert notes == ["k3-train: note: vocab_size 256 → 384 to cover the data's 300-token "
+                     "tokenizer (--vocab-size sets it)"]
+    assert _vocab_of(run) == 384
+    # --resume keeps the run's model and says nothing more about it.
+    assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "2"]) == 0
+    assert "vocab_size" not in capsys.readouterr().err and _vocab_of(run) == 384
+
+
+def test_a_vocab_size_given_is_kept(tmp_path, bpe_data, config_file, capsys):
+    run = tmp_path / "given"
+    assert _train(run, bpe_data, config_file, "--max-steps", "1", "--vocab-size", "320") == 0
+    assert _vocab_of(run) == 320 and "vocab_size" not in capsys.readouterr().err
+    code, err = _error(capsys, ["train", "--run-dir", str(tmp_path / "small"), "--data",
+                                str(bpe_data), "--config", str(config_file), "--vocab-size",
+                                "256"])
+    assert code == 2 and len(err) == 1 and "exceeds the model's vocab_size (256)" in err[0]

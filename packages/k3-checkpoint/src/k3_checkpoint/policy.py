@@ -111,10 +111,7 @@ def _message(refused: list[tuple[str, str]], order: list[str]) -> str:
     message = f"incompatible {first} — " + "; ".join(lines[:_LISTED])
     message += " …" if len(lines) > _LISTED else ""
     if first == _RUNTIME:
-        message += (
-            " (bitwise continuation needs the same runtime; a policy can give a key up with "
-            "runtime_may_differ)"
-        )
+        message += " (bitwise continuation needs the same runtime)"
     if len(sections) > 1:
         message += f"; {', '.join(sections[1:])} differ too"
     return message

@@ -29,71 +29,92 @@ class K3Config:
     Attention is ``"hybrid"`` (Kimi K3: Kimi Delta Attention layers with a Gated MLA
     layer every ``full_attention_every`` layers and at the last one, see
     :meth:`layer_types`), ``"mla"`` (every layer MLA) or ``"gqa"`` (every layer GQA), the
-    last two for comparison. GQA: ``n_kv_heads`` key/value heads (``None`` = ``n_heads``
-    = MHA), ``head_dim`` (``None`` = ``d_model // n_heads``). MLA: query rank
-    ``q_lora_rank`` (0 = full rank), key/value latent rank ``kv_lora_rank``, per-head
-    ``qk_nope_head_dim`` + ``qk_rope_head_dim`` query/key dims (the second part meets one
-    key slice shared by all heads), ``v_head_dim``. ``mla_rope`` rotates that shared slice
-    (None = K3's choice: NoPE in ``"hybrid"``, RoPE in ``"mla"``); ``mla_gate`` multiplies
-    the attention output by ``σ(W_g x)`` (None = on in ``"hybrid"``, off in ``"mla"``).
-    KDA: ``kda_heads`` (None = ``n_heads``) of ``kda_head_dim`` (None = ``d_model //
-    kda_heads``), short convolution ``kda_conv_size``, chunk ``kda_chunk_size``, kernel
-    ``kda_backend``.
-
-    MLP is ``"dense"`` (hidden ``d_ff``) or ``"moe"``: every layer from ``n_dense_layers``
-    on holds ``n_experts`` experts of hidden ``moe_d_ff`` of which each token uses
-    ``moe_top_k`` (sigmoid router), plus ``n_shared_experts`` always on; gate weights are
-    scaled by ``routed_scaling``. ``moe_latent_dim`` > 0 makes it a LatentMoE (routed
-    experts run at that width between a down- and an up-projection). ``moe_balance``
-    turns the quantile balancer on, ``moe_balance_rate`` in (0, 1] blends its new bias
-    with the old one (1 = replace). ``activation`` is the GLU of every MLP: ``"swiglu"``
-    or ``"situ"`` (K3's SiTU-GLU). ``attn_res_block_size`` > 0 replaces the residual
-    stream by block Attention Residuals (0 = plain pre-norm residual).
-
-    ``loss_chunk_size`` > 0 computes the training loss over that many tokens at a time
-    without materializing the logits (:func:`~k3_model.loss.chunked_cross_entropy`);
-    ``model(x, targets=y)`` then returns None for the logits. 0 = the plain loss.
+    last two for comparison. MLP is ``"dense"`` or ``"moe"`` (a LatentMoE when
+    ``moe_latent_dim`` > 0). Each field's docstring says what it sets; it is also the
+    field's ``k3-train train --help`` line.
     """
 
     vocab_size: int = 256
+    """Token ids the embedding and the output head cover."""
     d_model: int = 128
+    """Width of the residual stream."""
     n_layers: int = 4
+    """Decoder blocks."""
     n_heads: int = 4
+    """Attention heads (query heads for GQA and MLA)."""
     n_kv_heads: int | None = None
+    """GQA: key/value heads (unset: n_heads, i.e. MHA)."""
     head_dim: int | None = None
+    """GQA: width of each head (unset: d_model // n_heads)."""
     max_seq_len: int = 256
+    """Longest sequence the model accepts (RoPE tables are this long)."""
     attention: Attention = "gqa"
+    """hybrid: KDA layers with MLA every full_attention_every layers and last (Kimi K3);
+    mla or gqa: that in every layer."""
     full_attention_every: int = 4
+    """hybrid: one MLA layer per this many layers."""
     q_lora_rank: int = 0
+    """MLA: rank of the query's low-rank projection (0: full rank)."""
     kv_lora_rank: int = 64
+    """MLA: rank of the shared key/value latent."""
     qk_nope_head_dim: int = 32
+    """MLA: per-head query/key dims without position encoding."""
     qk_rope_head_dim: int = 16
+    """MLA: per-head query dims that meet the one key slice shared by all heads."""
     v_head_dim: int = 32
+    """MLA: per-head value width."""
     mla_rope: bool | None = None
+    """MLA: rotate the shared key slice (unset: K3's choice, off in hybrid, on in mla)."""
     mla_gate: bool | None = None
+    """MLA: multiply the output by sigmoid(W_g x) (unset: on in hybrid, off in mla)."""
     kda_heads: int | None = None
+    """KDA: heads (unset: n_heads)."""
     kda_head_dim: int | None = None
+    """KDA: width of each head (unset: d_model // kda_heads)."""
     kda_conv_size: int = 4
+    """KDA: taps of the short causal convolution."""
     kda_chunk_size: int = 64
+    """KDA: chunk of the chunked recurrence (16, 32 or 64)."""
     kda_backend: KDABackend = "auto"
+    """KDA kernel: torch, fla (CUDA), or auto (fla when usable)."""
     attn_res_block_size: int = 0
+    """Layers per block of block Attention Residuals (0: the plain pre-norm residual)."""
     mlp: MLP = "moe"
+    """dense: one MLP of width d_ff per layer; moe: dense first layers, then experts."""
     activation: Activation = "swiglu"
+    """GLU of every MLP: swiglu, or situ (K3's SiTU-GLU)."""
     d_ff: int = 384
+    """Hidden width of a dense MLP."""
     n_experts: int = 8
+    """MoE: routed experts per MoE layer."""
     moe_top_k: int = 2
+    """MoE: routed experts each token uses (sigmoid router)."""
     n_shared_experts: int = 1
+    """MoE: experts every token uses."""
     moe_d_ff: int = 128
+    """MoE: hidden width of each expert."""
     moe_latent_dim: int = 0
+    """MoE: > 0 makes it a LatentMoE, the routed experts running at this width between a
+    down- and an up-projection."""
     n_dense_layers: int = 1
+    """MoE: leading layers with a dense MLP instead."""
     routed_scaling: float = 1.0
+    """MoE: scale of the routed experts' gate weights."""
     moe_balance: bool = True
+    """MoE: the quantile balancer's per-expert router bias."""
     moe_balance_rate: float = 1.0
+    """MoE: in (0, 1], how much of the balancer's new bias replaces the old (1: all)."""
     rope_theta: float = 10000.0
+    """Base of the rotary position encoding."""
     norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
     tie_embeddings: bool = False
+    """Share the embedding matrix with the output head."""
     init_std: float = 0.02
+    """Standard deviation of the normal weight initialization."""
     loss_chunk_size: int = 0
+    """Tokens per chunk of the training loss, never materializing all logits (0: the plain
+    loss)."""
 
     def __post_init__(self) -> None:
         _check_types(self)

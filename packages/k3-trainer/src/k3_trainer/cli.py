@@ -13,7 +13,6 @@ signal ends it at once, the previous checkpoint intact).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 # Only torch-free modules here: --help and argument errors answer before torch is
 # imported (main() imports what a command needs once the arguments parse).
+from k3_model.config import K3Config
+from k3_model.presets import PRESETS
+
 from .config import ConfigError, TrainConfig
 from .data.options import DEFAULT_SHARD_TOKENS, DEFAULT_SHUFFLE_SEED
+from .flags import add_config_flags, given, shown
 from .launch import MODES, launched_by_torchrun, launched_rank, prog_name, torchrun_command
 
 if TYPE_CHECKING:
@@ -32,28 +35,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _field_type(field: dataclasses.Field[Any]) -> Any:
-    annotation = str(field.type)
-    if "bool" in annotation:
-        return _bool
-    if "int" in annotation:
-        return int
-    if "float" in annotation:
-        return float
-    return str
-
 
 def _positive_int(text: str) -> int:
     try:
@@ -65,8 +46,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _preset_default(name: str, _default: Any) -> str:
+    values = {getattr(config, name) for config in PRESETS.values()}
+    if len(values) == 1:
+        return f"default: {shown(values.pop())}"
+    return "default: the preset's; " + ", ".join(
+        f"{preset} {shown(getattr(config, name))}" for preset, config in PRESETS.items())
+
+
 def _batches(text: str) -> int | str:
     return "all" if text == "all" else _positive_int(text)
+
+
+# argparse destinations of the generated flags (no hand-written option starts so).
+TRAIN_FLAG, MODEL_FLAG = "train:", "model:"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,13 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the documents in input order")
 
     train = sub.add_parser("train", help="train a model, or continue one with --resume")
-    train.add_argument("--run-dir", required=True, type=Path)
+    train.add_argument("--run-dir", required=True, type=Path,
+                       help="the run's folder: checkpoint, metrics.jsonl, run.json")
     train.add_argument("--data", type=Path, help="dataset folder (default: built-in corpus)")
     train.add_argument("--config", type=Path, help="TOML file: preset, [train], [model]")
     train.add_argument("--resume", action="store_true",
                        help="continue from RUN_DIR's checkpoint (checkpoint.pt, or the "
                             "sharded checkpoint.dcp of FSDP2; strictly validated)")
-    train.add_argument("--preset", help="model size preset (default: tiny)")
+    train.add_argument("--preset", choices=tuple(PRESETS), metavar="{" + ",".join(PRESETS) + "}",
+                       help="model preset, the starting point of the model flags below "
+                       "(default: tiny, or the config file's preset)")
     train.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     train.add_argument("--report", action="store_true",
                        help="write RUN_DIR/report/ (plots + index.html) at the end")
@@ -137,10 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=_positive_int, metavar="N",
                        help="launch N processes with torchrun on this machine (needs "
                        "--parallel ddp|fsdp)")
-    fields = train.add_argument_group("TrainConfig fields (override the config file)")
-    for field in dataclasses.fields(TrainConfig):
-        fields.add_argument(f"--{field.name.replace('_', '-')}", dest=f"cfg_{field.name}",
-                            type=_field_type(field), default=None, metavar="VALUE")
+    add_config_flags(train.add_argument_group(
+        "training recipe (TrainConfig)",
+        "Each flag overrides the config file's [train] value; with --resume, the run's "
+        "recorded value."), TrainConfig, dest_prefix=TRAIN_FLAG)
+    add_config_flags(train.add_argument_group(
+        "model shape (K3Config)",
+        "Each flag overrides the preset and the config file's [model] value; with --resume "
+        "the run's model is kept. vocab_size follows a larger --data tokenizer unless set."),
+        K3Config, dest_prefix=MODEL_FLAG, default_note=_preset_default)
 
     evaluate = sub.add_parser("eval", help="validation loss of a run's latest checkpoint")
     evaluate.add_argument("--run-dir", required=True, type=Path)
@@ -236,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     from .data import DataError
     from .interrupt import TrainingInterrupted
     from .runner import RunError
+    from .threads import set_default_threads
 
     who = prog_name()
+    # The process-wide CPU thread default is the command's only when it owns the process
+    # (a console script or ``python -m``), never a program's that calls main(argv).
+    thread_note = set_default_threads() if argv is None else None
     try:
-        return _run(args)
+        return _run(args, thread_note)
     except (ConfigError, DataError, CheckpointError, RunError, FileNotFoundError) as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, thread_note: str | None = None) -> int:
     """The parsed command, run (this is where torch is imported)."""
     from . import runner
     from .data.options import PrepareOptions, default_workers
@@ -286,14 +291,13 @@ def _run(args: argparse.Namespace) -> int:
         return runner.run_report(args.run_dir)
     if args.command == "eval":
         return runner.run_eval(args.run_dir, args.data, args.batches, _device(args.device))
-    overrides = {name[4:]: value for name, value in vars(args).items()
-                 if name.startswith("cfg_") and value is not None}
     return runner.run_train(runner.TrainCommand(
         args.run_dir, data=args.data, toml=_read_toml(args.config), resume=args.resume,
-        preset=args.preset, overrides=overrides, device=_device(args.device),
+        preset=args.preset, overrides=given(args, TRAIN_FLAG),
+        model_overrides=given(args, MODEL_FLAG), device=_device(args.device),
         report=args.report, tensorboard=args.tensorboard, profile_start=args.profile_start,
         profile_steps=args.profile_steps, allow_runtime_change=args.allow_runtime_change,
-        parallel=args.parallel))
+        parallel=args.parallel, notes=(thread_note,) if thread_note else ()))
 
 
 def _what_is_kept(args: argparse.Namespace) -> str:

@@ -5,26 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("constant", "cosine")
-NS_DTYPES = ("auto", "bf16", "fp32", "fp64")
-ACTIVATION_CHECKPOINTING = ("none", "block")
+Precision = Literal["fp32", "bf16", "fp16"]
+Schedule = Literal["constant", "cosine"]
+NSDtype = Literal["auto", "bf16", "fp32", "fp64"]
+# The names k3-optim and k3-qkclip accept, spelled here so that validating a config and
+# listing them in ``k3-train train --help`` import no torch; a test keeps them equal to
+# those packages' own registries (COEFFICIENT_SETS, UPDATE_SCALES, GQA_MODES).
+NSCoefficients = Literal["jordan", "polar_express"]
+UpdateScale = Literal["match_rms_adamw", "spectral", "none"]
+GQAMode = Literal["query_only", "group_min"]
+ActivationCheckpointing = Literal["none", "block"]
 
-
-def choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of every string field. Muon's coefficient sets and update scales
-    (k3-optim) and QK-Clip's GQA modes (k3-qkclip) come from the packages that implement
-    them, so a mode added there is accepted here without a second list; they are imported
-    here, not at module import, so the command line answers without importing torch."""
-    from k3_optim import COEFFICIENT_SETS, UPDATE_SCALES
-    from k3_qkclip import GQA_MODES
-
-    return {"precision": PRECISIONS, "lr_schedule": SCHEDULES, "muon_ns_dtype": NS_DTYPES,
-            "muon_ns_coefficients": tuple(COEFFICIENT_SETS),
-            "muon_update_scale": tuple(UPDATE_SCALES), "qk_clip_gqa": tuple(GQA_MODES),
-            "activation_checkpointing": ACTIVATION_CHECKPOINTING}
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 class ConfigError(ValueError):
@@ -35,50 +29,81 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Everything that defines a training run's recipe, as plain data.
 
-    Intervals and ``max_steps`` count *successful* optimizer updates. ``max_grad_norm=0``
-    disables ordinary gradient-norm clipping. ``muon_ns_dtype`` is independent of the
-    parameter dtype (parameters stay fp32 masters under bf16/fp16 autocast).
+    Intervals and ``max_steps`` count *successful* optimizer updates. Each field's
+    docstring is its ``k3-train train --help`` line (see :mod:`k3_trainer.flags`).
     """
 
     # batch geometry
     batch_size: int = 16
+    """Sequences per microbatch (per process under torchrun)."""
     seq_len: int = 128
+    """Tokens per sequence (at most the model's max_seq_len)."""
     gradient_accumulation_steps: int = 1
+    """Microbatches summed into one optimizer update."""
     # optimizer (one peak LR and weight decay for every group: Muon uses match_rms_adamw)
     peak_lr: float = 3e-3
+    """Peak learning rate of every parameter group (Muon's update is RMS-matched to AdamW's)."""
     weight_decay: float = 0.1
+    """Decoupled weight decay of every group."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.95
+    """AdamW's second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     muon_momentum: float = 0.95
+    """Muon's momentum."""
     muon_nesterov: bool = True
+    """Nesterov momentum for Muon."""
     muon_ns_steps: int = 5
-    muon_ns_dtype: str = "auto"
-    muon_ns_coefficients: str = "jordan"
-    muon_update_scale: str = "match_rms_adamw"
+    """Newton–Schulz iterations per Muon update."""
+    muon_ns_dtype: NSDtype = "auto"
+    """Newton–Schulz dtype, independent of the parameters' (auto: bf16 on CUDA, fp32 on CPU)."""
+    muon_ns_coefficients: NSCoefficients = "jordan"
+    """Newton–Schulz coefficient set."""
+    muon_update_scale: UpdateScale = "match_rms_adamw"
+    """How Muon's orthogonalized update is scaled per matrix."""
     max_grad_norm: float = 1.0
+    """Gradient-norm clipping threshold (0: no clipping)."""
     # schedule
-    lr_schedule: str = "cosine"
-    warmup_steps: int | None = None  # None: min(20, decay_steps // 10)
-    decay_steps: int | None = None  # None: max_steps (resolved once, then fixed)
+    lr_schedule: Schedule = "cosine"
+    """Learning-rate shape after warmup."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (unset: min(20, decay_steps // 10))."""
+    decay_steps: int | None = None
+    """Cosine horizon in steps (unset: the first session's max_steps, then fixed)."""
     min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of peak_lr."""
     # run length and intervals (successful steps)
     max_steps: int = 300
+    """Successful optimizer updates to train to (a resume may raise it)."""
     log_interval: int = 10
+    """Steps between logged training metrics."""
     eval_interval: int = 100
+    """Steps between validation evaluations."""
     checkpoint_interval: int = 100
+    """Steps between checkpoints (one is also written at the end and on Ctrl-C)."""
     eval_batches: int = 8
+    """Validation batches per evaluation, from the start of the split."""
     # precision and QK-Clip
-    precision: str = "fp32"
+    precision: Precision = "fp32"
+    """Autocast precision (parameters stay fp32 masters; fp16 adds a gradient scaler)."""
     qk_clip_enabled: bool = True
+    """QK-Clip on the attention layers that declare its geometry (MLA)."""
     qk_clip_tau: float = 100.0
-    qk_clip_gqa: str = "query_only"
+    """QK-Clip threshold τ on each head's max attention logit."""
+    qk_clip_gqa: GQAMode = "query_only"
+    """How QK-Clip rescales heads that share a key."""
     # speed (no effect on the trajectory but compile's rounding; see k3_trainer.compiling)
-    compile: bool = False  # torch.compile each decoder block (regional); off by default
-    activation_checkpointing: str = "none"  # "block": recompute each block in backward
+    compile: bool = False
+    """torch.compile each decoder block (regional compile)."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """block: recompute each decoder block in backward, trading compute for memory."""
     # reproducibility and debugging
     seed: int = 1337
+    """Seed of the model's initialization and of every random number generator."""
     overfit_batch: bool = False
+    """Train on the first batch over and over (a debugging check that the loss falls)."""
 
     def __post_init__(self) -> None:
         # The cosine horizon defaults to this run's length, and warmup to a tenth of the
@@ -106,7 +131,7 @@ class TrainConfig:
         for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name, allowed in choices().items():
+        for name, allowed in choices(TrainConfig).items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
@@ -156,3 +181,10 @@ def _number(cfg: TrainConfig, name: str, *, low: float, high: float | None = Non
         raise ConfigError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
     if high is not None and (value > high or (value == high and not high_closed)):
         raise ConfigError(f"{name} must be {'<=' if high_closed else '<'} {high}, got {value!r}")
+
+
+def choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of every ``Literal`` field of the dataclass ``cls``."""
+    hints = get_type_hints(cls)
+    return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if get_origin(hints[f.name]) is Literal}

@@ -1,13 +1,11 @@
 """What each ``k3-train`` subcommand does, behind the argument parsing of ``cli.py``.
 
-A training session resolves its configuration (fresh: defaults ← config file ← flags;
-resumed: the run's recorded config ← config file ← flags), checks data, model and
-checkpoint *before* writing anything into the run directory, then trains.
+A training session resolves its configuration (:mod:`k3_trainer.resolve`), checks data,
+model and checkpoint *before* writing anything into the run directory, then trains.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -19,7 +17,6 @@ import torch
 
 import k3_checkpoint
 from k3_model import K3Config, K3Model
-from k3_model import preset as model_preset
 
 from .checkpoint import (
     CHECKPOINT,
@@ -35,7 +32,6 @@ from .compiling import prepare_model
 from .config import ConfigError, TrainConfig
 from .contract import check_model
 from .data import TokenDataLoader, check_vocab_fits, load_codec
-from .data.loader import MANIFEST_FORMAT
 from .data.options import PrepareOptions
 from .data.prepare import describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
@@ -48,98 +44,35 @@ from .observe import (
     ProgressBar,
     Report,
     TensorBoard,
-    read_events,
 )
 from .observe.report import require_matplotlib, write_report
-from .observe.run import Session, read_run_record, write_run_record
+from .observe.run import Session, write_run_record
 from .optim import build_optimizer
 from .precision import validate_precision
+from .resolve import (
+    METRICS,
+    Resolved,
+    RunError,
+    TrainCommand,
+    model_config_from,
+    read_record,
+    resolve,
+    train_config_from,
+)
 from .sample import Sampling, sample_text
 from .schedule import horizon_notes
 from .state import TrainState
+from .threads import THREADS_ENV
 from .trainer import Trainer
 
-METRICS = "metrics.jsonl"
-DEFAULT_PRESET = "tiny"
-
-
-class RunError(Exception):
-    """The run directory is not in the state the command needs."""
+__all__ = ["RunError", "SampleCommand", "TrainCommand", "build_trainer", "run_eval",
+           "run_inspect", "run_prepare", "run_report", "run_sample", "run_train"]
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def builtin_data_dir() -> Path:
-    """Where the built-in corpus is prepared once (per Python version: its text differs)."""
-    root = os.environ.get("K3_TRAIN_CACHE") or Path.home() / ".cache" / "k3-train"
-    version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
-    return Path(root) / f"builtin-pydoc-{version}-{MANIFEST_FORMAT.replace('/', '')}"
-
-
-def resolve_data(data: Path | None) -> Path:
-    if data is not None:
-        return data
-    path = builtin_data_dir()
-    if not (path / "manifest.json").is_file():
-        print(f"k3-train: preparing the built-in corpus into {path}", file=sys.stderr)
-        prepare_dataset([], path, overwrite=True)
-    return path
-
-
-def _model_config(preset: str | None, overrides: dict[str, Any],
-                  recorded: dict[str, Any] | None) -> K3Config:
-    try:
-        if recorded is not None and preset is None:
-            return K3Config.from_dict({**recorded, **overrides})
-        return model_preset(preset or DEFAULT_PRESET, **overrides)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"model config: {exc}") from None
-
-
-def _train_config(base: dict[str, Any], toml: dict[str, Any],
-                  overrides: dict[str, Any]) -> TrainConfig:
-    merged = {**base, **toml.get("train", {}), **overrides}
-    try:
-        return TrainConfig.from_dict(merged)
-    except TypeError as exc:
-        raise ConfigError(f"train config: {exc}") from None
-
-
-def _has_run(run_dir: Path) -> bool:
-    return any((run_dir / name).exists()
-               for name in (CHECKPOINT, SHARDED_CHECKPOINT, METRICS, "run.json"))
-
-
-def _recorded_checkpoint_step(run_dir: Path) -> int | None:
-    """The step of the last checkpoint ``metrics.jsonl`` says was saved, or None."""
-    metrics = run_dir / METRICS
-    try:
-        events = read_events(metrics) if metrics.is_file() else []
-    except (OSError, UnicodeDecodeError):
-        return None
-    steps = [e.get("step") for e in events if e.get("event") == "checkpoint"]
-    return steps[-1] if steps and isinstance(steps[-1], int) else None
-
-
-def _read_record(run_dir: Path) -> dict[str, Any]:
-    """``run.json``, checked to hold what a resume or an evaluation reads from it."""
-    try:
-        record = read_run_record(run_dir)
-    except FileNotFoundError as exc:
-        raise RunError(str(exc)) from None
-    except ValueError as exc:  # unreadable JSON or not a run record
-        raise RunError(f"{exc}; the run directory is damaged") from None
-    data = record.get("data")
-    if not (isinstance(record.get("train_config"), dict)
-            and isinstance(record.get("model_config"), dict)
-            and isinstance(data, dict) and isinstance(data.get("dir"), str)):
-        raise RunError(f"{run_dir / 'run.json'} lacks train_config, model_config or data.dir; "
-                       "the run directory is damaged")
-    return record
 
 
 def run_prepare(inputs: list[str], out: Path, options: PrepareOptions) -> int:
@@ -164,38 +97,6 @@ def run_inspect(checkpoint: Path) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class TrainCommand:
-    """``k3-train train``'s arguments, as the command line resolved them."""
-
-    run_dir: Path
-    data: Path | None = None
-    toml: dict[str, Any] = field(default_factory=dict)
-    resume: bool = False
-    preset: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    report: bool = False
-    tensorboard: bool = False
-    profile_start: int | None = None
-    profile_steps: int = 3
-    allow_runtime_change: bool = False
-    parallel: str = "none"
-
-
-@dataclass(frozen=True)
-class _Resolved:
-    """A session's configuration, resolved before anything is built or written."""
-
-    config: TrainConfig
-    model_config: K3Config
-    data_dir: Path
-    resume_from: Path | None
-    horizon_unset: bool
-    recorded_data: str | None = None
-    """The data folder the run's record names (to say which dataset a checkpoint needs)."""
-
-
 def _loaders(config: TrainConfig, model_config: K3Config, data_dir: Path,
              parallel: Parallel | None) -> tuple[TokenDataLoader, TokenDataLoader]:
     """Both loaders (this rank's rows), checked against the model's vocabulary and length."""
@@ -211,7 +112,7 @@ def _loaders(config: TrainConfig, model_config: K3Config, data_dir: Path,
     return train, val
 
 
-def build_trainer(resolved: _Resolved, device: torch.device, parallel: Parallel | None,
+def build_trainer(resolved: Resolved, device: torch.device, parallel: Parallel | None,
                   checkpoint: Path | None) -> Trainer:
     """Model, optimizer and loaders built from resolved configs, held by a ``Trainer``
     (nothing written yet).
@@ -249,56 +150,6 @@ def run_train(command: TrainCommand) -> int:
         shutdown(dp, clean=clean)
 
 
-def _resolve(command: TrainCommand) -> _Resolved:
-    """The session's configs from the run directory's state and the command line, or a
-    ``RunError`` when the run directory is not in a state this command can use."""
-    run_dir, toml = command.run_dir, command.toml
-    preset = command.preset or toml.get("preset")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--run-dir {run_dir} is a file, not a directory")
-    record: dict[str, Any] | None = None
-    found = find_checkpoint(run_dir)
-    resume = command.resume
-    if resume and found is None:
-        saved_at = _recorded_checkpoint_step(run_dir)
-        if saved_at is not None:  # moved or deleted: starting over would lose the run
-            raise RunError(f"{run_dir / METRICS} records a checkpoint saved at step "
-                           f"{saved_at}, but {run_dir} holds none ({CHECKPOINT} or "
-                           f"{SHARDED_CHECKPOINT}): put it back, or choose another --run-dir")
-        # Nothing written yet, or killed before its first checkpoint: nothing to lose, so a
-        # supervisor that restarts with --resume until success gets a run, not a loop.
-        if _has_run(run_dir):
-            record = _restart_record(run_dir)
-            print(f"k3-train: {run_dir} stopped before its first checkpoint; nothing to "
-                  "resume, so the run starts from scratch", file=sys.stderr)
-        else:
-            print(f"k3-train: {run_dir} holds no run yet; nothing to resume, so the run "
-                  "starts", file=sys.stderr)
-        resume = False
-    elif resume:
-        record = _read_record(run_dir)
-    elif _has_run(run_dir):
-        if found is None:
-            raise RunError(f"{run_dir} already holds a run that stopped before its first "
-                           "checkpoint; pass --resume to start it again from scratch, or "
-                           "choose another --run-dir")
-        raise RunError(f"{run_dir} already holds a run; pass --resume to continue it or "
-                       "choose another --run-dir")
-    if record is not None:
-        config = _train_config(record["train_config"], toml, command.overrides)
-        model_config = _model_config(preset, toml.get("model", {}), record["model_config"])
-        data_dir = command.data or Path(record["data"]["dir"])
-    else:
-        config = _train_config({}, toml, command.overrides)
-        model_config = _model_config(preset, toml.get("model", {}), None)
-        data_dir = resolve_data(command.data)
-    horizon_unset = record is None and "decay_steps" not in {**toml.get("train", {}),
-                                                            **command.overrides}
-    recorded_data = record["data"]["dir"] if record is not None else None
-    return _Resolved(config, model_config, data_dir, found if resume else None, horizon_unset,
-                     recorded_data)
-
-
 def _observers(command: TrainCommand, metrics: MetricsLog) -> list[Any]:
     """The callbacks of a CLI session (rank 0): metrics.jsonl, then what was asked for."""
     callbacks: list[Any] = [metrics]
@@ -317,7 +168,7 @@ def _observers(command: TrainCommand, metrics: MetricsLog) -> list[Any]:
 def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel | None) -> int:
     main = parallel is None or parallel.is_main  # rank 0 alone writes the run directory
     run_dir = command.run_dir
-    resolved = _resolve(command)
+    resolved = resolve(command)
     config = resolved.config
     validate_precision(config.precision, device)
     if command.profile_start is not None:
@@ -336,7 +187,7 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
             resumed = trainer.resume(resolved.resume_from,
                                      allow_runtime_change=command.allow_runtime_change)
         except k3_checkpoint.CheckpointError as error:
-            raise _with_data_hint(_with_runtime_hint(error, command.allow_runtime_change),
+            raise _with_data_hint(_with_runtime_hint(error, command),
                                   resolved) from error
         runtime_changes = resumed.runtime_changes
         if trainer.state.step >= config.max_steps:
@@ -367,7 +218,8 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
                        f"{error.filename}); fix its permissions or choose another --run-dir"
                        ) from None
     # Said once every check has passed and the session is really going to train.
-    for note in horizon_notes(config, horizon_unset=resolved.horizon_unset):
+    for note in (*command.notes, *resolved.notes,
+                 *horizon_notes(config, horizon_unset=resolved.horizon_unset)):
         print(f"k3-train: note: {note}", file=sys.stderr)
     with metrics:
         observers = _observers(command, metrics)
@@ -384,19 +236,44 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
 
 
 def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
-                       allowed: bool) -> k3_checkpoint.CheckpointError:
-    """``error``, naming the opt-in when what it refused is only the runtime or the
-    data-parallel layout (another machine, thread count or world size)."""
-    if allowed or not error.reason.startswith(("incompatible runtime —",
-                                               "incompatible data_parallel —")):
+                       command: TrainCommand) -> k3_checkpoint.CheckpointError:
+    """``error``, saying in command-line terms how to continue when what it refused is only
+    the runtime or the data-parallel layout: relaunch as the run last ran (its thread
+    count, its torchrun layout, from run.json), or opt in to the change."""
+    refused = error.reason.split(" — ", 1)[0]
+    if command.allow_runtime_change or refused not in ("incompatible runtime",
+                                                       "incompatible data_parallel"):
         return error
+    relaunch = _relaunch_advice(command.run_dir, layout=refused.endswith("data_parallel"))
     return k3_checkpoint.CheckpointError(
-        f"{error.reason}; pass --allow-runtime-change to continue anyway (no bitwise "
+        f"{error.reason}; {relaunch}pass --allow-runtime-change to continue anyway (no bitwise "
         "promise)", path=error.path)
 
 
+def _relaunch_advice(run_dir: Path, *, layout: bool) -> str:
+    """``relaunch … or `` naming how the run's last session was launched, or ``""`` when
+    its record does not say (or says nothing this session could change)."""
+    try:
+        sessions = read_record(run_dir).get("sessions")
+    except RunError:
+        return ""
+    last = sessions[-1] if isinstance(sessions, list) and sessions else {}
+    if not isinstance(last, dict):
+        return ""
+    if layout:
+        recorded = last.get("data_parallel")
+        if not isinstance(recorded, dict):
+            return "relaunch in one process as the run was (no --parallel), or "
+        return (f"relaunch as the run was launched (--parallel {recorded.get('mode')} "
+                f"--nproc {recorded.get('world_size')}), or ")
+    threads = (last.get("host") or {}).get("torch_threads")
+    if isinstance(threads, int) and threads != torch.get_num_threads():
+        return f"relaunch with {THREADS_ENV}={threads} as the run's last session ran, or "
+    return ""
+
+
 def _with_data_hint(error: k3_checkpoint.CheckpointError,
-                    resolved: _Resolved) -> k3_checkpoint.CheckpointError:
+                    resolved: Resolved) -> k3_checkpoint.CheckpointError:
     """``error``, naming the dataset folders when the checkpoint belongs to other data."""
     if "belongs to different data" not in error.reason or resolved.recorded_data is None:
         return error
@@ -416,15 +293,6 @@ def _report_runtime_changes(log: MetricsLog, state: TrainState,
     print(f"k3-train: warning: resuming under another runtime ({listed}); the run continues "
           "correctly but is no longer bitwise-identical to an uninterrupted one",
           file=sys.stderr)
-
-
-def _restart_record(run_dir: Path) -> dict[str, Any] | None:
-    """The configs a run that died before its first checkpoint was started with, or None
-    when its run.json is missing or damaged (then the command line alone decides)."""
-    try:
-        return _read_record(run_dir)
-    except RunError:
-        return None
 
 
 def run_report(run_dir: Path) -> int:
@@ -450,13 +318,13 @@ def _restored(run_dir: Path, data: Path | None, device: torch.device) -> _Restor
     another runtime (threads, torch version, device) is accepted, and everything else is
     validated as strictly as for a resume. The loaders read the run's global batch (every
     rank's rows), so validation measures the same tokens as the run's logged one."""
-    record = _read_record(run_dir)
+    record = read_record(run_dir)
     found = find_checkpoint(run_dir)
     if found is None:
         raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint")
-    config = _train_config(record["train_config"], {}, {})
+    config = train_config_from(record["train_config"], {}, {})
     world = _recorded_world_size(record)
-    model_config = _model_config(None, {}, record["model_config"])
+    model_config = model_config_from(None, {}, record["model_config"])
     data_dir = data or Path(record["data"]["dir"])
     loaders = _loaders(config.replace(batch_size=config.batch_size * world), model_config,
                        data_dir, None)

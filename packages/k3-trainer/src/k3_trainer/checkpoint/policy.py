@@ -61,7 +61,7 @@ are neither built nor read."""
 
 def qk_clip_policy(config: TrainConfig) -> QKClipPolicy:
     return QKClipPolicy(enabled=config.qk_clip_enabled, tau=config.qk_clip_tau,
-                        gqa=config.qk_clip_gqa)  # type: ignore[arg-type]
+                        gqa=config.qk_clip_gqa)
 
 
 def run_metadata(contract: ModelContract, config: TrainConfig,
