@@ -264,3 +264,18 @@ def test_a_vocab_size_given_is_kept(tmp_path, bpe_data, config_file, capsys):
                                 str(bpe_data), "--config", str(config_file), "--vocab-size",
                                 "256"])
     assert code == 2 and len(err) == 1 and "exceeds the model's vocab_size (256)" in err[0]
+
+
+@pytest.mark.parametrize("command", ["prepare", "train", "eval", "sample", "inspect", "report"])
+def test_every_option_of_every_command_has_a_help_line(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    positional = lines.index("positional arguments:") if "positional arguments:" in lines else 0
+    options = [i for i, line in enumerate(lines)
+               if (line.startswith("  -") and not line.startswith("  -h"))
+               or (positional and i == positional + 1)]
+    assert options
+    for i in options:
+        described = "  " in lines[i].strip() or lines[i + 1].startswith(" " * 8)
+        assert described, lines[i]

@@ -58,6 +58,8 @@ def _batches(text: str) -> int | str:
     return "all" if text == "all" else _positive_int(text)
 
 
+DEVICE_HELP = "auto (cuda when available, else cpu), cpu, cuda or cuda:N (default auto)"
+
 # argparse destinations of the generated flags (no hand-written option starts so).
 TRAIN_FLAG, MODEL_FLAG = "train:", "model:"
 
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", choices=tuple(PRESETS), metavar="{" + ",".join(PRESETS) + "}",
                        help="model preset, the starting point of the model flags below "
                        "(default: tiny, or the config file's preset)")
-    train.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    train.add_argument("--device", default="auto", help=DEVICE_HELP)
     train.add_argument("--report", action="store_true",
                        help="write RUN_DIR/report/ (plots + index.html) at the end")
     train.add_argument("--tensorboard", action="store_true",
@@ -135,39 +137,46 @@ def build_parser() -> argparse.ArgumentParser:
                        "--parallel ddp|fsdp)")
     add_config_flags(train.add_argument_group(
         "training recipe (TrainConfig)",
-        "Each flag overrides the config file's [train] value; with --resume, the run's "
+        "Each flag overrides the config file's [train] value and, on resume, the run's "
         "recorded value."), TrainConfig, dest_prefix=TRAIN_FLAG)
     add_config_flags(train.add_argument_group(
         "model shape (K3Config)",
-        "Each flag overrides the preset and the config file's [model] value; with --resume "
-        "the run's model is kept. vocab_size follows a larger --data tokenizer unless set."),
+        "Each flag overrides the preset and the config file's [model] value; a resumed run "
+        "keeps its model. Unless set, vocab_size grows to the data's tokenizer."),
         K3Config, dest_prefix=MODEL_FLAG, default_note=_preset_default)
 
     evaluate = sub.add_parser("eval", help="validation loss of a run's latest checkpoint")
-    evaluate.add_argument("--run-dir", required=True, type=Path)
-    evaluate.add_argument("--data", type=Path)
+    evaluate.add_argument("--run-dir", required=True, type=Path, help="the run to evaluate")
+    evaluate.add_argument("--data", type=Path,
+                          help="dataset folder (default: the one the run trained on)")
     evaluate.add_argument("--batches", type=_batches, metavar="N|all",
                           help="full validation batches from the start of the split "
                           "(default: the run's eval_batches; all: the whole split; more "
                           "than the split holds is clamped, with a note)")
-    evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
 
     sample = sub.add_parser("sample", help="continue a prompt with a run's checkpoint")
-    sample.add_argument("--run-dir", required=True, type=Path)
+    sample.add_argument("--run-dir", required=True, type=Path, help="the run to sample from")
     sample.add_argument("--prompt", default="", help="text to continue (default: a new "
                         "document)")
-    sample.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N")
+    sample.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N",
+                        help="tokens to generate at most; the end-of-document token stops "
+                        "earlier (default 200)")
     sample.add_argument("--temperature", type=float, default=0.8, metavar="T",
                         help="0 = always the most likely token (default 0.8)")
-    sample.add_argument("--top-k", type=_positive_int, metavar="K")
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--device", default="auto")
+    sample.add_argument("--top-k", type=_positive_int, metavar="K",
+                        help="sample among the K most likely tokens only (default: all)")
+    sample.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="the same seed gives the same text (default 0)")
+    sample.add_argument("--device", default="auto", help=DEVICE_HELP)
 
     inspect = sub.add_parser("inspect", help="summarize a checkpoint without loading it")
-    inspect.add_argument("checkpoint", type=Path)
+    inspect.add_argument("checkpoint", type=Path,
+                         help="a checkpoint file, a sharded checkpoint folder or a run "
+                         "directory")
 
     report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report/")
-    report.add_argument("--run-dir", required=True, type=Path)
+    report.add_argument("--run-dir", required=True, type=Path, help="the run to plot")
     return parser
 
 
