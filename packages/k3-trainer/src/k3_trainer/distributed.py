@@ -12,6 +12,7 @@ touches ``torch.distributed``: the one-process path stays exactly as it was.
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import torch
@@ -90,11 +91,18 @@ class Parallel:
 
     # --- collectives -------------------------------------------------------------------
 
-    def mean_item(self, loss: Tensor) -> float:
-        """The mean of ``loss`` over the ranks, on the host: one collective and the one host
-        read the finite-loss check makes anyway."""
-        value = self.sum_(loss.detach().float().reshape(1).clone())
-        return value.item() / self.world_size
+    def mean_item_and_signal(self, loss: Tensor, signum: int) -> tuple[float, int]:
+        """The mean of ``loss`` over the ranks and the largest stop signal any rank has
+        received (0: none), in the one collective and the one host read that the
+        finite-loss check makes anyway. Each rank adds a one-hot of its signal beside its
+        loss, so the sums say which signals arrived anywhere, whatever their mix."""
+        values = torch.zeros(1 + signal.NSIG, dtype=torch.float32, device=loss.device)
+        values[0] = loss.detach().float()
+        if signum:
+            values[signum] = 1.0
+        summed = self.sum_(values).tolist()
+        return summed[0] / self.world_size, max(
+            (number for number in range(1, signal.NSIG) if summed[number]), default=0)
 
     def sum_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""

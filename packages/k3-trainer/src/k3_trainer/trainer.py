@@ -110,6 +110,7 @@ class Trainer:
             self.state.fixed_batch_limit = train.num_tokens - train.tokens_per_batch - 1
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path is not None else None
         self._stop_signal: int | None = None
+        self._agreed_stop = 0  # the largest signal any rank had, as of the last loss reduce
         self._saved_step: int | None = None
         self.checkpointer = Checkpointer(self.states(),
                                          run_metadata(self.contract, config, parallel),
@@ -172,6 +173,8 @@ class Trainer:
                     self._succeeded(attempt)
                     self._boundary()
                 stop = self._stop_requested()
+            if stop is None and self.parallel is not None:
+                stop = self._stop_agreed_at_the_end()
             if stop is not None and self.checkpoint_path is not None and \
                     self._saved_step != self.state.step:
                 self.save_checkpoint()
@@ -193,11 +196,26 @@ class Trainer:
         self._stop_signal = int(signum)
 
     def _stop_requested(self) -> int | None:
-        """The signal to stop on, agreed by every rank (the same step everywhere)."""
-        signum = self._stop_signal or 0
-        if self.parallel is not None:
-            signum = int(self.parallel.max_(torch.tensor([float(signum)])).item())
-        return signum or None
+        """The signal to stop on after this update. Data parallel: the one every rank
+        learnt from the update's loss reduce (so every rank stops at the same step, with
+        no collective of its own; a signal that arrives later stops the next update)."""
+        if self.parallel is None:
+            return self._stop_signal
+        return self._agreed_stop or None
+
+    def _stop_agreed_at_the_end(self) -> int | None:
+        """A signal that arrived during the last update, after its loss reduce: one more
+        agreement, once per session, so the run still ends as interrupted."""
+        assert self.parallel is not None
+        signum = float(self._stop_signal or 0)
+        return int(self.parallel.max_(torch.tensor([signum])).item()) or None
+
+    def _mean_loss(self, loss: torch.Tensor) -> float:
+        """This microbatch's loss averaged over the ranks, agreeing on stop signals too."""
+        assert self.parallel is not None
+        value, signum = self.parallel.mean_item_and_signal(loss, self._stop_signal or 0)
+        self._agreed_stop = max(self._agreed_stop, signum)
+        return value
 
     def _attempt(self, qk_clip: QKClip) -> _Attempt:
         """One attempted update for successful step ``state.step + 1``, in the spec's order."""
@@ -216,7 +234,7 @@ class Trainer:
             with profiler.region("train/forward"):
                 with autocast(self.device, config.precision):
                     _, loss = self.forward(x, targets=y)
-                value = loss.item() if self.parallel is None else self.parallel.mean_item(loss)
+                value = loss.item() if self.parallel is None else self._mean_loss(loss)
             if not math.isfinite(value):
                 raise FloatingPointError(f"Non-finite training loss at step {step}")
             with profiler.region("train/backward"):
