@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from torch import nn
 
 from k3_checkpoint import capture_rng
@@ -172,25 +173,24 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "payload") -> None:
 # -- forging checkpoint files (the documented k3-checkpoint file format) -------------------
 
 MAGIC = b"\x89K3CKPT\n"
-_FIELDS = struct.Struct("<8sIIQ32s4x")
-_BLOCK = 4 << 20
+_FIELDS = struct.Struct("<8sIIQ16s20x")
 
 
-def k3_header(body: bytes, format_version: int = 7) -> bytes:
-    """The 64-byte header the README documents: magic, format, digest scheme 1, length,
-    sha256 over the sha256 of each 4 MiB block, four zero bytes, crc32 of the rest."""
-    blocks = [body[start:start + _BLOCK] for start in range(0, len(body), _BLOCK)]
-    digest = hashlib.sha256(b"".join(hashlib.sha256(b).digest() for b in blocks)).digest()
-    fields = _FIELDS.pack(MAGIC, format_version, 1, len(body), digest)
+def k3_trailer(body: bytes, format_version: int = 7) -> bytes:
+    """The 64-byte trailer the README documents: magic, format, checksum scheme 2, length,
+    the XXH3-128 of every byte before it, twenty zero bytes, crc32 of the rest."""
+    fields = _FIELDS.pack(MAGIC, format_version, 2, len(body), xxhash.xxh3_128_digest(body))
     return fields + struct.pack("<I", zlib.crc32(fields))
 
 
 def forge(path: Path, payload: Any, format_version: int = 7) -> None:
-    """Write ``payload`` as a careful forger would: torch.save bytes behind a valid header."""
+    """Write ``payload`` as a careful forger would: torch.save's zip, its comment the valid
+    trailer that follows it."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    body = buffer.getvalue()
-    path.write_bytes(k3_header(body, format_version) + body)
+    body = bytearray(buffer.getvalue())
+    body[-2:] = (64).to_bytes(2, "little")  # the zip's end record: comment length
+    path.write_bytes(bytes(body) + k3_trailer(bytes(body), format_version))
 
 
 class Evil:

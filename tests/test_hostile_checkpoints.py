@@ -4,7 +4,7 @@ untouched), and by the library without changing the model, optimizer, loader cur
 any RNG.
 
 Each hostile file replaces ``checkpoint.pt`` of a copy of a healthy run at step 2. The
-forged ones carry a valid header and digest (see ``harness.forge``), so they reach the
+forged ones carry a valid trailer and checksum (see ``harness.forge``), so they reach the
 checks behind the integrity layer; the ``intact`` case forges the healthy payload
 unchanged and must resume, which shows that every refusal comes from the damage.
 """
@@ -105,7 +105,7 @@ def _pickle_in_torch_zip(base: Base, path: Path) -> None:
     torch.save({"format_version": 7, "model": Evil(base.marker)}, path)
 
 
-def _pickle_behind_valid_header(base: Base, path: Path) -> None:
+def _pickle_behind_valid_trailer(base: Base, path: Path) -> None:
     payload = read_payload(path)
     payload["counters"] = Evil(base.marker)
     forge(path, payload)
@@ -163,7 +163,7 @@ def _loaders_swapped(payload: dict) -> None:
 CASES = {
     "intact": (_doctored(lambda payload: None), None),
     "truncated": (_truncated, "truncated"),
-    "bit-flipped": (_bit_flipped, "digest mismatch"),
+    "bit-flipped": (_bit_flipped, "checksum mismatch"),
     "zero-length": (lambda base, path: path.write_bytes(b""), "is empty"),
     **{f"format-{v}": (_historical(v, True), f"historical recipe format {v} is not supported")
        for v in (3, 4, 5, 6)},
@@ -174,7 +174,7 @@ CASES = {
     "format-8-bare": (_historical(8, False), "unknown checkpoint format 8"),
     "malicious-raw-pickle": (_raw_pickle, "is not a k3 checkpoint"),
     "malicious-torch-zip": (_pickle_in_torch_zip, "weights_only"),
-    "malicious-behind-valid-header": (_pickle_behind_valid_header, "weights_only"),
+    "malicious-behind-valid-trailer": (_pickle_behind_valid_trailer, "weights_only"),
     "other-model-config": (_foreign("model-config"), "incompatible model_config"),
     "other-vocab": (_foreign("vocab"), "incompatible vocab_size — vocab_size: checkpoint 512"),
     "other-data-manifest": (_foreign("data-manifest"),
@@ -287,8 +287,8 @@ def test_the_real_command_refuses_a_corrupt_checkpoint_without_traceback(base, t
     run = _hostile_run(base, tmp_path, "bit-flipped")
     before = tree_bytes(run)
     resumed = k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4)
-    assert_one_line_error(resumed, "digest mismatch", code=2)
+    assert_one_line_error(resumed, "checksum mismatch", code=2)
     assert tree_bytes(run) == before
     inspect = subprocess.run([sys.executable, "-m", "k3_trainer.cli", "inspect",
                               str(run / "checkpoint.pt")], capture_output=True, text=True)
-    assert_one_line_error(inspect, "digest mismatch", code=2)
+    assert_one_line_error(inspect, "checksum mismatch", code=2)

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from k3_checkpoint import CompatibilityPolicy, capture_rng, read_payload
-from k3_checkpoint.digest import digest_of_bytes
-from k3_checkpoint.payload import pack_header, write_payload
+from k3_checkpoint.integrity import checksum_of_bytes
+from k3_checkpoint.legacy import pack_header, sha256_blocks
+from k3_checkpoint.payload import TRAILER_SIZE, pack_trailer, write_payload
 
 VOCAB = 64
 TRAINER_POLICY = CompatibilityPolicy(
@@ -31,12 +32,24 @@ TRAINER_POLICY = CompatibilityPolicy(
 
 
 def write_enveloped(payload: object, path: Path, format_version: int = 7) -> bytes:
-    """Write ``payload`` (a plain ``torch.save``) with a correct header and digest, as a careful
-    forger would; returns the payload's bytes."""
+    """Write ``payload`` (a plain ``torch.save``) with a correct trailer and checksum, as a
+    careful forger would; returns the zip's bytes (everything before the trailer)."""
+    body = io.BytesIO()
+    torch.save(payload, body)
+    data = bytearray(body.getvalue())
+    assert data[-22:-18] == b"PK\x05\x06" and data[-2:] == b"\0\0"  # the end record, last
+    data[-2:] = TRAILER_SIZE.to_bytes(2, "little")  # the trailer is the zip's comment
+    path.write_bytes(bytes(data) + pack_trailer(format_version, len(data),
+                                                checksum_of_bytes(data)))
+    return bytes(data)
+
+
+def write_legacy(payload: object, path: Path, format_version: int = 7) -> bytes:
+    """Write ``payload`` as k3-checkpoint 0.1.x did: a sha256 header, then the zip."""
     body = io.BytesIO()
     torch.save(payload, body)
     data = body.getvalue()
-    path.write_bytes(pack_header(format_version, len(data), digest_of_bytes(data)) + data)
+    path.write_bytes(pack_header(format_version, len(data), sha256_blocks(data)) + data)
     return data
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import collections
 import errno
-import io
 import os
 import pickle
-import pickletools
+import re
 import stat
 import subprocess
 import sys
@@ -25,6 +23,7 @@ from ckpt_helpers import (
     make_run,
     run_fingerprint,
     write_enveloped,
+    write_legacy,
 )
 
 from k3_checkpoint import (
@@ -34,9 +33,8 @@ from k3_checkpoint import (
     read_payload,
     save_checkpoint,
 )
-from k3_checkpoint import buffer as buffer_module
 from k3_checkpoint import payload as payload_module
-from k3_checkpoint.payload import HEADER_SIZE
+from k3_checkpoint.payload import TRAILER_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +54,10 @@ def checkpoint_bytes(tmp_path_factory) -> bytes:
 def test_historical_formats_are_refused_by_name(version, tmp_path):
     bare = tmp_path / "bare.pt"  # what the earlier trainer wrote: a plain torch.save
     torch.save({"format_version": version, "model": {"w": torch.zeros(2)}, "step": 9}, bare)
-    enveloped = tmp_path / "enveloped.k3"
+    enveloped, legacy = tmp_path / "enveloped.k3", tmp_path / "legacy.k3"
     write_enveloped({"format_version": version}, enveloped, format_version=version)
-    for path in (bare, enveloped):
+    write_legacy({"format_version": version}, legacy, format_version=version)
+    for path in (bare, enveloped, legacy):
         with pytest.raises(CheckpointError, match=f"historical recipe format {version} is not"):
             read_payload(path)
 
@@ -74,10 +73,11 @@ def test_unknown_formats_are_refused(version, tmp_path):
             read_payload(path)
 
 
-def test_payload_version_must_agree_with_the_header(tmp_path):
+def test_payload_version_must_agree_with_the_trailer(tmp_path):
     path = tmp_path / "ckpt.k3"
     write_enveloped({"format_version": 6}, path, format_version=7)
-    with pytest.raises(CheckpointError, match="payload format_version 6 disagrees"):
+    with pytest.raises(CheckpointError, match="payload format_version 6 disagrees with the "
+                       "file's 7"):
         read_payload(path)
 
 
@@ -90,15 +90,79 @@ def test_bare_format_7_payload_is_refused_as_unverifiable(tmp_path, checkpoint_b
         read_payload(bare)
 
 
+def test_a_checkpoint_is_an_ordinary_zip_that_torch_load_reads(tmp_path, checkpoint_bytes):
+    """The trailer is the zip's comment: zipfile and torch.load (mmap too) read the file
+    as it is, to the same payload this package returns."""
+    path = tmp_path / "ckpt.k3"
+    path.write_bytes(checkpoint_bytes)
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None and len(archive.comment) == TRAILER_SIZE
+    ours = read_payload(path)
+    for mmap in (False, True):
+        assert_same_payload(ours, torch.load(path, weights_only=True, mmap=mmap))
+
+
+def test_checkpoints_written_by_0_1_still_load_and_are_verified(tmp_path):
+    """0.1.x wrote a sha256 header before the zip; such a run still resumes, and its
+    digest still guards it."""
+    run = make_run()
+    run.step()
+    current = tmp_path / "current.k3"
+    save_checkpoint(current, **run.save_kwargs())
+    legacy = tmp_path / "legacy.k3"
+    write_legacy(read_payload(current), legacy)
+    resumed = make_run()
+    loaded = load_checkpoint(legacy, **resumed.load_kwargs())
+    assert run_fingerprint(resumed) == run_fingerprint(run) and len(loaded.digest) == 64
+    data = bytearray(legacy.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    legacy.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        read_payload(legacy)
+
+
+def test_a_file_replaced_between_verification_and_load_is_refused(tmp_path, monkeypatch,
+                                                                    checkpoint_bytes):
+    """torch.load opens the path again after the checksum: a swap in between (another
+    valid checkpoint renamed over it) must not be loaded as the verified file."""
+    path, other = tmp_path / "ckpt.k3", tmp_path / "other.k3"
+    path.write_bytes(checkpoint_bytes)
+    run = make_run()
+    run.step()
+    run.step()
+    save_checkpoint(other, **run.save_kwargs())
+    real_load = torch.load
+
+    def swapped_first(target, *args, **kwargs):
+        os.replace(other, path)
+        return real_load(target, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", swapped_first)
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        read_payload(path)
+
+
+def test_the_package_uses_no_private_torch_api():
+    """Only torch's public API: a private name breaks silently on the next release."""
+    source = Path(load_checkpoint.__code__.co_filename).parent
+    # torch._C, torch.serialization._open_zipfile_reader, ... (not dunders: __version__)
+    private = re.compile(r"torch(\.\w+)*\._[A-Za-z]|_weights_only_unpickler|_rebuild_tensor")
+    uses = [f"{file.name}:{number}: {line.strip()}"
+            for file in sorted(source.glob("*.py"))
+            for number, line in enumerate(file.read_text().splitlines(), 1)
+            if private.search(line)]
+    assert uses == []
+
+
 # -- integrity ---------------------------------------------------------------------------
 
 
 def test_single_bit_flips_are_detected_anywhere(tmp_path, checkpoint_bytes):
-    # Every header byte, the zip's local headers and pickle at the start of the payload, its
-    # central directory at the end, and every 29th byte between: a different bit each time.
+    # The zip's local headers and pickle at the start, its central directory and every
+    # trailer byte at the end, and every 29th byte between: a different bit each time.
     path = tmp_path / "flipped.k3"
     size = len(checkpoint_bytes)
-    ends = set(range(HEADER_SIZE + 512)) | set(range(size - 512, size))
+    ends = set(range(512)) | set(range(size - TRAILER_SIZE - 512, size))
     for position in sorted(ends | set(range(0, size, 29))):
         corrupt = bytearray(checkpoint_bytes)
         corrupt[position] ^= 1 << (position % 8)
@@ -110,18 +174,19 @@ def test_single_bit_flips_are_detected_anywhere(tmp_path, checkpoint_bytes):
 
 def test_truncation_is_detected_at_every_cut(tmp_path, checkpoint_bytes):
     path = tmp_path / "cut.k3"
-    cuts = [1, 7, 8, 40, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 1]
-    cuts += [*range(HEADER_SIZE + 2, len(checkpoint_bytes), 97), len(checkpoint_bytes) - 1]
+    size = len(checkpoint_bytes)
+    cuts = [1, 7, 8, 40, 64, *range(65, size, 97)]
+    cuts += [*range(size - TRAILER_SIZE - 2, size - TRAILER_SIZE + 3), size - 8, size - 1]
     for cut in cuts:
         path.write_bytes(checkpoint_bytes[:cut])
-        with pytest.raises(CheckpointError, match="truncated"):
+        with pytest.raises(CheckpointError, match=r"truncated|cut short"):
             read_payload(path)
 
 
 def test_appended_bytes_are_detected(tmp_path, checkpoint_bytes):
     path = tmp_path / "long.k3"
     path.write_bytes(checkpoint_bytes + b"\0")
-    with pytest.raises(CheckpointError, match="1 unexpected bytes after the payload"):
+    with pytest.raises(CheckpointError, match="1 unexpected bytes after its k3 trailer"):
         read_payload(path)
 
 
@@ -131,7 +196,7 @@ def test_appended_bytes_are_detected(tmp_path, checkpoint_bytes):
         (b"", "is empty"),
         (b"step: 100\nmodel: weights.bin\n", "is not a k3 checkpoint"),
         (bytes(range(256)) * 4, "is not a k3 checkpoint"),
-        (bytes(HEADER_SIZE) + b"PK\x03\x04partial", "interrupted before it finished"),
+        (b"PK\x03\x04partial", "a save cut short"),
     ],
     ids=["empty", "text", "random", "unfinished-tmp"],
 )
@@ -171,10 +236,7 @@ class _CreatesFile:
         return (open, (str(self.target), "w"))
 
 
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "torch.load"])
-def test_malicious_pickles_never_run(tmp_path, monkeypatch, zero_copy):
-    if not zero_copy:  # the copying path a platform without zero-copy loading takes
-        monkeypatch.setattr(buffer_module, "zero_copy_supported", lambda: False)
+def test_malicious_pickles_never_run(tmp_path):
     target = tmp_path / "pwned"
     raw = pickle.dumps({"format_version": 7, "model": _CreatesFile(target)})
     pickle.loads(raw)  # control: the payload really does run when unpickled naively
@@ -185,10 +247,12 @@ def test_malicious_pickles_never_run(tmp_path, monkeypatch, zero_copy):
     raw_file.write_bytes(raw)
     zipped = tmp_path / "zipped.pt"
     torch.save({"format_version": 5, "model": _CreatesFile(target)}, zipped)
-    enveloped = tmp_path / "enveloped.k3"  # header and digest are correct: only loading guards
+    enveloped = tmp_path / "enveloped.k3"  # trailer and checksum correct: only loading guards
     write_enveloped({"format_version": 7, "model": _CreatesFile(target)}, enveloped)
+    legacy = tmp_path / "legacy.k3"  # the same, as 0.1.x wrote it
+    write_legacy({"format_version": 7, "model": _CreatesFile(target)}, legacy)
 
-    for path in (raw_file, zipped, enveloped):
+    for path in (raw_file, zipped, enveloped, legacy):
         with pytest.raises(CheckpointError):
             read_payload(path)
         assert not target.exists(), f"{path.name} ran code"
@@ -201,9 +265,7 @@ def test_malicious_pickles_never_run(tmp_path, monkeypatch, zero_copy):
     assert not target.exists()
     assert run_fingerprint(run) == before
 
-    with open(enveloped, "rb") as file:  # control: torch's unsafe mode would have run it
-        file.seek(HEADER_SIZE)
-        torch.load(file, weights_only=False)
+    torch.load(enveloped, weights_only=False)  # control: torch's unsafe mode would run it
     assert target.exists()
 
 
@@ -383,14 +445,14 @@ def test_save_refuses_what_the_loader_would_refuse(tmp_path, section, key, value
 
     save_checkpoint(path, **run.save_kwargs())
     before = run_fingerprint(run)
-    with pytest.raises(CheckpointError, match=match) as refused:  # checked while it hashes
+    with pytest.raises(CheckpointError, match=match) as refused:
         load_checkpoint(path, **kwargs)
     assert str(path) in str(refused.value) and run_fingerprint(run) == before
 
     raw = bytearray(path.read_bytes())
-    raw[-1] ^= 1
+    raw[len(raw) // 2] ^= 1
     path.write_bytes(raw)
-    with pytest.raises(CheckpointError, match="digest mismatch"):  # the file's problem first
+    with pytest.raises(CheckpointError, match="checksum mismatch"):  # the file's problem first
         load_checkpoint(path, **kwargs)
 
 
@@ -424,85 +486,3 @@ def test_plain_data_that_contains_itself_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=r"train_config\.layers\[0\] contains itself"):
         save_checkpoint(tmp_path / "other.k3", **kwargs)
     assert os.listdir(tmp_path) == ["ckpt.k3"]
-
-
-def _pickle_ops(raw: bytes) -> list[tuple[str, object]]:
-    """The opcodes (name, argument) of a checkpoint's pickle (the zip member ``*/data.pkl``)."""
-    with zipfile.ZipFile(io.BytesIO(raw[HEADER_SIZE:])) as archive:
-        (member,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-        return [(op.name, argument) for op, argument, _ in pickletools.genops(archive.read(member))]
-
-
-def test_tensors_are_written_without_torchs_empty_hook_dicts(checkpoint_bytes):
-    """torch writes an empty OrderedDict per tensor for the hooks it never saves (a GLOBAL and
-    a call for the weights-only unpickler to check); the payload writes None instead, so every
-    tensor loads without hooks, as a new tensor has, in torch.load and this package alike."""
-    names = [argument for name, argument in _pickle_ops(checkpoint_bytes) if name == "GLOBAL"]
-    theirs = torch.load(io.BytesIO(checkpoint_bytes[HEADER_SIZE:]), weights_only=True)
-    tensors = [value for value in _flat(theirs).values() if isinstance(value, torch.Tensor)]
-    assert len(tensors) > 5 and all(tensor._backward_hooks is None for tensor in tensors)
-    assert names.count("torch._utils _rebuild_tensor_v2") == len(tensors)
-    assert names.count("collections OrderedDict") == _ordered_dicts(theirs)  # the states' own
-
-
-def _ordered_dicts(value: object) -> int:
-    """OrderedDicts in ``value``, attributes included (a module state's ``_metadata``)."""
-    if isinstance(value, dict):
-        children = [*value.values(), *getattr(value, "__dict__", {}).values()]
-    elif isinstance(value, (list, tuple)):
-        children = list(value)
-    else:
-        return 0
-    return int(type(value) is collections.OrderedDict) + sum(map(_ordered_dicts, children))
-
-
-def test_the_payload_pickle_has_no_memo_and_still_loads_in_torch(tmp_path, checkpoint_bytes):
-    """The memo opcodes are what torch's weights-only unpickler tests for last; a tree needs
-    none. The payload stays an ordinary pickle: torch.load reads it to the same values."""
-    opcodes = {name for name, _ in _pickle_ops(checkpoint_bytes)}
-    assert "REDUCE" in opcodes and "BINPERSID" in opcodes  # tensors were written
-    assert not opcodes & {"BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET"}
-    path = tmp_path / "ckpt.k3"
-    path.write_bytes(checkpoint_bytes)
-    ours = read_payload(path)
-    assert_same_payload(
-        ours, torch.load(io.BytesIO(checkpoint_bytes[HEADER_SIZE:]), weights_only=True)
-    )
-
-
-def _flat(value: object, prefix: str = "") -> dict[str, object]:
-    if isinstance(value, dict):
-        return {
-            k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}.{key}").items()
-        }
-    if isinstance(value, (list, tuple)):
-        return {
-            k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}[{i}]").items()
-        }
-    return {prefix: value}
-
-
-def test_a_state_that_contains_itself_is_refused_and_writes_nothing(tmp_path):
-    """Without the memo a reference cycle cannot be written; the save says so, and the
-    previous checkpoint stays."""
-
-    class Looped(torch.nn.Module):
-        def get_extra_state(self) -> object:
-            looped: list[object] = [1]
-            looped.append(looped)
-            return looped
-
-        def set_extra_state(self, state: object) -> None:
-            pass
-
-    run = make_run()
-    run.step()
-    path = tmp_path / "ckpt.k3"
-    save_checkpoint(path, **run.save_kwargs())
-    previous = path.read_bytes()
-    kwargs = run.save_kwargs()
-    kwargs["components"] = {**kwargs["components"], "looped": Looped()}
-    with pytest.raises(CheckpointError, match="reference cycle") as refused:
-        save_checkpoint(path, **kwargs)
-    assert str(path) in str(refused.value)
-    assert path.read_bytes() == previous and os.listdir(tmp_path) == ["ckpt.k3"]

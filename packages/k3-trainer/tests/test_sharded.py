@@ -78,7 +78,7 @@ def test_each_save_is_published_by_one_rename_and_the_previous_one_dropped(saved
     assert {p.name for p in path.iterdir()} == {".metadata", "__0_0.distcp", "k3.ckpt"}
     assert k3_checkpoint.read_payload(path / "k3.ckpt")["shards"]["files"].keys() == {
         ".metadata", "__0_0.distcp"}
-    assert len(digest) == 64
+    assert len(digest) == 32  # XXH3-128 of k3.ckpt, hex
 
 
 def test_a_load_restores_weights_optimizer_components_and_rng_bitwise(saved):
@@ -134,7 +134,7 @@ def _flip_a_byte(path) -> None:
 
 
 @pytest.mark.parametrize("damage, message", [
-    (_flip_a_byte, "__0_0.distcp does not match its recorded size and sha256"),
+    (_flip_a_byte, "__0_0.distcp does not match its recorded size and checksum"),
     (lambda path: (path / "__9_0.distcp").write_bytes(b"x"), "unexpected __9_0.distcp"),
     (lambda path: (path / "__0_0.distcp").unlink(), "missing __0_0.distcp"),
 ])
@@ -164,7 +164,7 @@ def test_another_model_or_metadata_is_refused_with_nothing_changed(saved):
 
 def test_inspect_describes_the_folder(saved):
     lines = sharded.describe_sharded(saved[0])
-    assert lines[0].startswith("checkpoint ") and "every digest verified" in lines[1]
+    assert lines[0].startswith("checkpoint ") and "every checksum verified" in lines[1]
     assert any(line.startswith("counter ") and "value=2" in line for line in lines)
 
 

@@ -2,7 +2,7 @@
 
 A checkpoint is one complete update boundary of a training run: the state of every stateful
 component (model, optimizer, loaders, counters...), the caller's metadata, every RNG and the
-runtime it ran under, behind a sha256 digest. ``load_checkpoint`` checks all of it against the
+runtime it ran under, behind an XXH3-128 checksum. ``load_checkpoint`` checks all of it against the
 live run before changing anything.
 """
 
@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .components import Components, Stateful
 from .errors import CheckpointError
+from .integrity import file_checksum
 from .layout import optimizer_identity, optimizer_layout
 from .load import LoadedCheckpoint, load_checkpoint
 from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, fsync_directory, read_payload
@@ -39,6 +40,7 @@ __all__ = [
     "ValidRng",
     "__version__",
     "capture_rng",
+    "file_checksum",
     "fsync_directory",
     "inspect_checkpoint",
     "load_checkpoint",

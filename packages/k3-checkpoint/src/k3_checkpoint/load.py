@@ -28,7 +28,8 @@ class LoadedCheckpoint:
 
     path: Path
     digest: str
-    """sha256 of the payload: the checkpoint's identity, for run provenance."""
+    """The file's XXH3-128 checksum in hex (sha256 for a 0.1.x file): the checkpoint's
+    identity, for run provenance."""
     metadata: dict[str, Any]
     """The saved metadata, ``runtime`` and optimizer types included (the current one may
     differ where the policy allows)."""
@@ -65,26 +66,16 @@ def load_checkpoint(
     as for ``save_checkpoint``, models in the runtime signature but not restored here.
     """
     policy = CompatibilityPolicy() if policy is None else policy
-    live: list[Any] = []
-
-    def describe_live() -> None:
-        """The current side of the comparison; it reads no payload, so it runs while the
-        file's last bytes hash."""
+    payload, digest = read_verified(path)  # the file's own problems first
+    try:
         tree = Tree(components)
         current = to_plain(metadata or {}, "metadata")
         check_names(tree, current)
         structure = tree.structure()
         current.update({f"{name}_type": structure[f"{name}_type"] for name in tree.optimizers})
         current["runtime"] = runtime_signature(*tree.modules.values(), *modules)
-        live.extend((tree, current, structure))
-
-    try:
-        payload, digest, buffer = read_verified(path, meanwhile=describe_live)
-    except CheckpointError as error:
-        if error.path is not None:  # the file's own problem
-            raise
-        raise error.with_path(path) from error  # the live objects' (from describe_live)
-    tree, current, structure = live
+    except CheckpointError as error:  # the live objects' problems
+        raise error.with_path(path) from error
     try:
         saved_metadata = {
             key: value
@@ -112,6 +103,4 @@ def load_checkpoint(
             f"restored; rebuild them before trying again ({type(error).__name__}: {error})",
             path=path,
         ) from error
-    del payload, saved, saved_rng, rng  # what the components did not keep is now unreachable
-    buffer.release_unused()
     return LoadedCheckpoint(Path(path), digest, saved_metadata, accepted)

@@ -1,52 +1,57 @@
-"""The file on disk: a 64-byte header, then the payload as ``torch.save`` wrote it.
+"""The file on disk: the payload as ``torch.save`` wrote it (a zip), then a 64-byte trailer.
 
-Header (little-endian)::
+Trailer (little-endian), the zip's comment, so the file stays an ordinary zip::
 
-    0   8  magic   b"\\x89K3CKPT\\n"
-    8   4  format  7
-    12  4  scheme  1 = sha256 over 4 MiB blocks
-    16  8  length  payload bytes after the header
-    24  32 digest  of those payload bytes (``k3_checkpoint.digest``)
-    56  4  zero
-    60  4  crc32   of bytes 0-59
+    0   8  magic     b"\\x89K3CKPT\\n"
+    8   4  format    7
+    12  4  scheme    2 = XXH3-128 (``k3_checkpoint.integrity``)
+    16  8  length    bytes before the trailer
+    24  16 checksum  of those bytes
+    40  20 zero
+    60  4  crc32     of bytes 0-59
 
-Why a header and not a digest field inside the pickle: a digest cannot cover the bytes that hold
-it, and checking it *before* unpickling means a corrupt file never reaches the zip and pickle
-parsers. Together the header CRC, the exact length and the digest make every single bit of the
-file matter: a flip or a cut anywhere is a ``CheckpointError``, never a half-read payload.
-The payload itself is unpickled only by torch's weights-only unpickler (the one behind
-``torch.load(weights_only=True)``), so a hostile pickle cannot run code (the digest is not a
-signature: anyone can recompute it).
+Why a trailer and not a field inside the pickle: a checksum cannot cover the bytes that
+hold it, and checking it *before* loading means a corrupt file never reaches the zip and
+pickle parsers. Why at the end: ``torch.load(path)`` needs the zip to start the file.
+Together the trailer's CRC, the exact length and the checksum make every bit of the file
+matter: a flip or a cut anywhere is a ``CheckpointError``, never a half-read payload.
+The payload is loaded only by ``torch.load(path, weights_only=True)``, torch's public
+weights-only load, so a hostile pickle cannot run code (the checksum is not a
+signature: anyone can recompute it). Files written by 0.1.x (a sha256 header in front)
+are still read (``legacy.py``).
 
-Writes are atomic: ``path.tmp`` is written with a blank header, the payload is hashed from the
-file while ``torch.save`` writes it (the last blocks while its data is flushed to disk), the
-header is filled in once it is complete, the file is fsynced, renamed over ``path`` (the file
-it replaces is freed on a background thread), and the directory is fsynced. A crash at any
-point leaves the previous ``path`` intact. Nothing reads ``.tmp`` in place of ``path``, and one
-cut short mid-write has a blank header, which the reader refuses by name.
+Writes are atomic: ``torch.save`` writes ``path.tmp``, the zip's comment length is set to
+the trailer's, the bytes are hashed back from the page cache, the trailer is appended, the
+file is fsynced, renamed over ``path`` (the file it replaces is freed on a background
+thread) and the directory is fsynced. A crash at any point leaves the previous ``path``
+intact; nothing reads ``.tmp`` in place of ``path``, and one cut short has no trailer,
+which the reader refuses by name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
+import pickle
 import stat
 import struct
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
-from . import unmemoized
-from .buffer import PayloadBuffer
-from .digest import TrailingHasher, read_and_digest, workers
+from . import legacy
 from .errors import CheckpointError
+from .integrity import checksum_of_file
 
 __all__ = [
-    "FORMAT_VERSION", "HISTORICAL_FORMATS", "fsync_directory", "read_payload", "write_payload",
+    "FORMAT_VERSION", "HISTORICAL_FORMATS", "fsync_directory", "pack_trailer", "read_payload",
+    "write_payload",
 ]  # fmt: skip
 
 FORMAT_VERSION = 7
@@ -55,34 +60,38 @@ FORMAT_VERSION = 7
 HISTORICAL_FORMATS = range(3, 7)
 """Formats 3-6: earlier trainer recipes, recognised so they are refused by name."""
 
-MAGIC = b"\x89K3CKPT\n"  # non-ASCII first byte and a newline: text-mode mangling breaks it
-_FIELDS = struct.Struct("<8sIIQ32s4x")
+MAGIC = legacy.MAGIC
+_FIELDS = struct.Struct("<8sIIQ16s20x")
 _CRC = struct.Struct("<I")
-HEADER_SIZE = _FIELDS.size + _CRC.size
-_SHA256_BLOCKS = 1  # digest scheme id: see digest.py
+TRAILER_SIZE = _FIELDS.size + _CRC.size
+XXH3_128 = 2  # checksum scheme id (1 was 0.1.x's sha256 header: legacy.py)
+_END_RECORD = struct.Struct("<4s16xH")  # a zip's end of central directory: 22 bytes
+_END_SIGNATURE = b"PK\x05\x06"
+_SEARCH = 1 << 16  # how far back from the end a displaced trailer is looked for
 
 
-def pack_header(format_version: int, length: int, digest: bytes) -> bytes:
-    """The 64-byte header for a payload of ``length`` bytes whose digest is ``digest``."""
-    fields = _FIELDS.pack(MAGIC, format_version, _SHA256_BLOCKS, length, digest)
+def pack_trailer(format_version: int, length: int, checksum: bytes) -> bytes:
+    """The 64-byte trailer for ``length`` bytes of zip whose checksum is ``checksum``."""
+    fields = _FIELDS.pack(MAGIC, format_version, XXH3_128, length, checksum)
     return fields + _CRC.pack(zlib.crc32(fields))
 
 
 def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> str:
-    """Atomically write ``payload`` to ``path`` (see the module docstring); return its digest."""
+    """Atomically write ``payload`` to ``path`` (see the module docstring); return its hex
+    checksum."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
     try:
-        with open(temporary, "w+b") as file:  # read too: the hasher maps what was written
-            file.write(bytes(HEADER_SIZE))  # blank: marks an unfinished write
-            with TrailingHasher(file, HEADER_SIZE) as writer:
-                torch.save(dict(payload), writer, pickle_module=unmemoized)  # type: ignore[arg-type]
-                # If the hashing lags (busy cores), the payload heads for the disk while the
-                # last blocks hash, and the fsync below has little left but the header.
-                digest = writer.finish(meanwhile=lambda: _sync_data(file.fileno()))
-            file.seek(0)
-            file.write(pack_header(FORMAT_VERSION, writer.length, digest))
+        with open(temporary, "w+b") as file:  # read too: the checksum reads back the zip
+            torch.save(dict(payload), file)
+            file.flush()
+            length = file.tell()
+            _announce_trailer(file, length)
+            checksum = checksum_of_file(file, 0, length)
+            assert checksum is not None  # the file is ours and was just written
+            file.seek(length)
+            file.write(pack_trailer(FORMAT_VERSION, length, checksum))
             file.flush()
             os.fsync(file.fileno())
         _replace(temporary, path)
@@ -95,16 +104,28 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
         # a RuntimeError about stream positions; the caller needs the OSError behind it.
         raise OSError(cause.errno, cause.strerror or str(cause), str(temporary)) from error
     fsync_directory(path.parent)
-    return digest.hex()
+    return checksum.hex()
+
+
+def _announce_trailer(file: BinaryIO, length: int) -> None:
+    """Make the trailer the zip's comment: set the comment length of the end record that
+    ``torch.save`` wrote last (22 bytes, no comment) to the trailer's size."""
+    file.seek(length - _END_RECORD.size)
+    signature, comment = _END_RECORD.unpack(file.read(_END_RECORD.size))
+    if signature != _END_SIGNATURE or comment != 0:
+        raise CheckpointError("torch.save wrote a zip whose end record is not last; this "
+                              "k3-checkpoint does not know the layout of this torch's files")
+    file.seek(length - 2)
+    file.write(struct.pack("<H", TRAILER_SIZE))
 
 
 def _replace(temporary: Path, path: Path) -> None:
     """``os.replace(temporary, path)``, leaving the replaced file to be freed on another thread.
 
-    A rename frees the file it replaces when nothing else holds it, and freeing is not free:
-    22 ms for 96 MiB here (ext4 mounted with ``discard``), a sixth of the save. Holding the
-    old file open across the rename moves that work to its last close, which one of the
-    package's worker threads (``digest.workers``) does while the caller goes on (database
+    A rename frees the file it replaces when nothing else holds it, and freeing a large
+    file is not free (on a filesystem mounted with ``discard``, a noticeable share of the
+    save; BENCHMARKS.md). Holding the old file open across the rename moves that work to
+    its last close, which a background thread does while the caller goes on (database
     engines delete obsolete files in the background for the same reason). The new file is in
     place either way; if the machine stops before the close, the filesystem frees the orphan
     when it mounts. Not on Windows, where an open file cannot be replaced."""
@@ -113,7 +134,7 @@ def _replace(temporary: Path, path: Path) -> None:
         os.replace(temporary, path)
     finally:
         if held is not None:
-            workers().submit(_close_replaced, held)
+            _closer().submit(_close_replaced, held)
 
 
 def _open_replaced(path: Path) -> int | None:
@@ -150,85 +171,116 @@ def _os_error_behind(error: BaseException) -> OSError | None:
 def read_payload(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified payload of a format-7 checkpoint, touching no live object.
 
-    Checks the header, the length and the digest before unpickling, loads with torch's
-    weights-only unpickler onto the CPU, and checks the format version. Formats 3-6 are
-    refused by name; every other problem raises ``CheckpointError`` naming the file and the
-    reason. The tensors share the memory the file was read into, as with
-    ``torch.load(mmap=True)``: clone one you keep on its own.
+    Checks the trailer, the length and the checksum before loading, loads with
+    ``torch.load(weights_only=True)`` onto the CPU, and checks the format version.
+    Formats 3-6 are refused by name; every other problem raises ``CheckpointError``
+    naming the file and the reason.
     """
     return read_verified(path).payload
 
 
 class Verified(NamedTuple):
-    """A payload whose digest matched, with the memory its tensors view."""
+    """A payload whose checksum matched."""
 
     payload: dict[str, Any]
     digest: str
-    """The payload's hex digest: the checkpoint's identity."""
-    buffer: PayloadBuffer
+    """The file's hex checksum (sha256 for a 0.1.x file): the checkpoint's identity."""
 
 
-def read_verified(
-    path: str | os.PathLike[str], meanwhile: Callable[[], object] | None = None
-) -> Verified:
-    """``read_payload``, with the digest and the buffer (see ``PayloadBuffer.release_unused``).
+def read_verified(path: str | os.PathLike[str]) -> Verified:
+    """``read_payload``, with the checksum.
 
-    The file is read once into memory and hashed behind the read; the digest is checked over
-    those bytes and the same bytes are unpickled, so no byte that was not verified reaches the
-    unpickler, even if the file changes meanwhile. The payload's tensors view those bytes
-    rather than being copied out of them (``buffer.py``).
-
-    ``meanwhile``: work that needs no payload (a loader's checks of the live objects), run
-    while the last bytes hash. What it raises is raised once the file has been read, verified
-    and unpickled without error, as if it had run after this function.
+    The checksum is checked over the file, then ``torch.load`` opens the same path; the
+    file's identity (device, inode, size, modification time) before and after says it was
+    neither replaced nor modified in between, so no byte that was not verified reaches
+    the unpickler.
     """
     path = Path(path)
-    deferred: list[BaseException] = []
-
-    def guarded() -> None:
-        try:
-            meanwhile()  # type: ignore[misc]
-        except BaseException as error:  # raised below, after the file's own problems
-            deferred.append(error)
-
     try:
         with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            length, expected = _read_header(file, size, path)
-            buffer = PayloadBuffer(length)
-            actual = read_and_digest(file, buffer.view, guarded if meanwhile else None)
-        if not actual:
-            raise CheckpointError("is shorter than when it was opened (changed while read)")
-        if actual != expected:
-            raise CheckpointError(
-                f"digest mismatch: the payload hashes to {actual.hex()[:16]}…, the header "
-                f"records {expected.hex()[:16]}…; the file is corrupt",
-                path=path,
-            )
-        payload = _weights_only(buffer.unpickle, path, "torch's weights_only=True unpickler")
+            before = os.fstat(file.fileno())
+            tail = _tail(file, before.st_size)
+            if tail[-TRAILER_SIZE:][: len(MAGIC)] == MAGIC:
+                version, digest = _verify_trailer(file, before.st_size, tail[-TRAILER_SIZE:],
+                                                  path)
+                # Not mmap=True: a mapped storage is read (and checked against its zip
+                # record) only when first used, so a forged one would fail during the
+                # restore, after other components had changed; read now, it fails here.
+                payload = _weights_only(
+                    lambda: torch.load(path, weights_only=True, map_location="cpu"),
+                    path, "torch.load(weights_only=True)")
+                if _identity(os.stat(path)) != _identity(before):
+                    raise CheckpointError("changed while it was read (replaced or modified "
+                                          "after its checksum was verified)", path=path)
+            elif _head(file) == MAGIC:  # 0.1.x: the header in front
+                version, data, digest = legacy.read_legacy(file, before.st_size, path)
+                _refuse_format(version, path)
+                payload = _weights_only(lambda: legacy.load_bytes(data), path,
+                                        "torch.load(weights_only=True)")
+            else:
+                raise CheckpointError(_identify_foreign(path, file, before.st_size, tail),
+                                      path=path)
     except OSError as error:
         raise CheckpointError(f"cannot be read: {error.strerror or error}", path=path) from error
-    except CheckpointError as error:
-        if error.path is not None:
-            raise
-        raise error.with_path(path) from error
     if not isinstance(payload, dict):
         raise CheckpointError(f"payload is a {type(payload).__name__}, not a dict", path=path)
-    version = payload.get("format_version")
-    if format_problem(version) is not None:
+    saved = payload.get("format_version")
+    if format_problem(saved) is not None or saved != version:
         raise CheckpointError(
-            f"payload format_version {version!r} disagrees with the header's {FORMAT_VERSION}",
+            f"payload format_version {saved!r} disagrees with the file's {version}", path=path
+        )
+    return Verified(payload, digest)
+
+
+def _tail(file: BinaryIO, size: int) -> bytes:
+    """The file's last bytes, enough to hold a trailer and find a displaced one."""
+    file.seek(max(0, size - _SEARCH))
+    return file.read()
+
+
+def _head(file: BinaryIO) -> bytes:
+    file.seek(0)
+    return file.read(len(MAGIC))
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _verify_trailer(file: BinaryIO, size: int, trailer: bytes, path: Path) -> tuple[int, str]:
+    """``(format version, hex checksum)`` once the trailer and the checksum hold."""
+    if len(trailer) < TRAILER_SIZE:
+        raise CheckpointError(f"is truncated: {size} bytes, not even a trailer", path=path)
+    fields, (crc,) = trailer[: _FIELDS.size], _CRC.unpack(trailer[_FIELDS.size :])
+    if zlib.crc32(fields) != crc:
+        raise CheckpointError("trailer is corrupt (its CRC does not match)", path=path)
+    _, version, scheme, length, expected = _FIELDS.unpack(fields)
+    _refuse_format(version, path)
+    if scheme != XXH3_128:
+        raise CheckpointError(f"unknown checksum scheme id {scheme}", path=path)
+    if length != size - TRAILER_SIZE:
+        raise CheckpointError(
+            f"is {size} bytes, its trailer promises {length + TRAILER_SIZE} (bytes were cut "
+            "from or inserted into the file)",
             path=path,
         )
-    if deferred:
-        raise deferred[0]
-    return Verified(payload, actual.hex(), buffer)
+    actual = checksum_of_file(file, 0, length)
+    if actual is None:
+        raise CheckpointError("is shorter than when it was opened (changed while read)",
+                              path=path)
+    if actual != expected:
+        raise CheckpointError(
+            f"checksum mismatch: the file hashes to {actual.hex()[:16]}…, its trailer "
+            f"records {expected.hex()[:16]}…; the file is corrupt",
+            path=path,
+        )
+    return version, actual.hex()
 
 
-def _sync_data(descriptor: int) -> None:
-    """Start the payload's way to the disk early (the closing fsync makes it durable)."""
-    if hasattr(os, "fdatasync"):
-        os.fdatasync(descriptor)
+def _refuse_format(version: int, path: Path) -> None:
+    problem = format_problem(version)
+    if problem is not None:
+        raise CheckpointError(problem, path=path)
 
 
 def format_problem(version: object) -> str | None:
@@ -244,44 +296,6 @@ def format_problem(version: object) -> str | None:
     return f"unknown checkpoint format {version!r}: this loader reads format {FORMAT_VERSION} only"
 
 
-def _read_header(file: BinaryIO, size: int, path: Path) -> tuple[int, bytes]:
-    head = file.read(HEADER_SIZE)
-    if size == 0:
-        raise CheckpointError("is empty (0 bytes): not a checkpoint", path=path)
-    if len(head) < len(MAGIC) and MAGIC.startswith(head):
-        raise CheckpointError(f"is truncated: {size} bytes, not even a header", path=path)
-    if head[: len(MAGIC)] != MAGIC:
-        if head[: len(MAGIC)] == bytes(len(MAGIC)):
-            raise CheckpointError(
-                "has a blank header: a save was interrupted before it finished, so this file "
-                "is not a checkpoint (the previous checkpoint is the file without .tmp)",
-                path=path,
-            )
-        raise CheckpointError(_identify_foreign(path, head), path=path)
-    if len(head) < HEADER_SIZE:
-        raise CheckpointError(
-            f"is truncated: {len(head)} of the header's {HEADER_SIZE} bytes", path=path
-        )
-    fields, (crc,) = head[: _FIELDS.size], _CRC.unpack(head[_FIELDS.size :])
-    if zlib.crc32(fields) != crc:
-        raise CheckpointError("header is corrupt (its CRC does not match)", path=path)
-    _, version, digest_kind, length, digest = _FIELDS.unpack(fields)
-    problem = format_problem(version)
-    if problem is not None:
-        raise CheckpointError(problem, path=path)
-    if digest_kind != _SHA256_BLOCKS:
-        raise CheckpointError(f"unknown digest scheme id {digest_kind}", path=path)
-    if size < HEADER_SIZE + length:
-        raise CheckpointError(
-            f"is truncated: {size} bytes, the header promises {HEADER_SIZE + length}", path=path
-        )
-    if size > HEADER_SIZE + length:
-        raise CheckpointError(
-            f"has {size - HEADER_SIZE - length} unexpected bytes after the payload", path=path
-        )
-    return length, digest
-
-
 def _weights_only(load: Callable[[], Any], path: Path, unpickler: str) -> Any:
     """``load()`` (torch's weights-only unpickling); whatever it raises becomes one
     ``CheckpointError`` naming the file, the ``unpickler`` and torch's reason."""
@@ -289,14 +303,6 @@ def _weights_only(load: Callable[[], Any], path: Path, unpickler: str) -> Any:
         return load()
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         raise CheckpointError(f"refused by {unpickler}: {_reason(error)}", path=path) from error
-
-
-def _torch_load(path: Path, **options: Any) -> Any:
-    return _weights_only(
-        lambda: torch.load(path, weights_only=True, map_location="cpu", **options),
-        path,
-        "torch.load(weights_only=True)",
-    )
 
 
 def _reason(error: Exception) -> str:
@@ -308,23 +314,49 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
 
 
-def _identify_foreign(path: Path, head: bytes) -> str:
-    """Why a file without the k3 header is refused: historical format, bare payload or neither."""
-    if not head.startswith(b"PK\x03\x04"):  # not even a torch zip; never unpickle it
-        return f"is not a k3 checkpoint (no k3-checkpoint header; starts with {head[:8]!r})"
+def _identify_foreign(path: Path, file: BinaryIO, size: int, tail: bytes) -> str:
+    """Why a file without a trailer at its end is refused: a displaced trailer (bytes
+    appended), a cut-short save, a bare payload, a historical format, or neither."""
+    if size == 0:
+        return "is empty (0 bytes): not a checkpoint"
+    found = tail.rfind(MAGIC)
+    if found >= 0 and len(tail) - found > TRAILER_SIZE:
+        return (f"has {len(tail) - found - TRAILER_SIZE} unexpected bytes after its k3 "
+                "trailer")
+    if found >= 0:
+        return (f"is truncated: its k3 trailer ends after {len(tail) - found} of its "
+                f"{TRAILER_SIZE} bytes")
+    head = _head(file)
+    if len(head) < 4 and b"PK\x03\x04".startswith(head):
+        return f"is truncated: {size} bytes, the start of a zip and nothing more"
+    if not head.startswith(b"PK\x03\x04"):  # not even a torch zip; never load it
+        file.seek(0)
+        return ("is not a k3 checkpoint (no k3-checkpoint trailer; starts with "
+                f"{file.read(8)!r})")
     try:  # mmap: only the small pickle is read, not every tensor
-        legacy = _torch_load(path, mmap=True)
-    except CheckpointError:
-        legacy = _torch_load(path)
-    version = legacy.get("format_version") if isinstance(legacy, Mapping) else None
+        bare = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:  # the weights-only unpickler's refusal
+        return ("has no k3-checkpoint trailer, and torch.load(weights_only=True) refuses "
+                f"it: {_reason(error)}")
+    except Exception:  # torch raises RuntimeError, EOFError, ... for a broken zip
+        return ("has no k3-checkpoint trailer and is not a complete torch file: a save cut "
+                "short (the previous checkpoint is the file without .tmp) or a truncated copy")
+    version = bare.get("format_version") if isinstance(bare, Mapping) else None
     if version is None:
         return "is a torch file but not a k3 checkpoint (it has no format_version)"
     if version == FORMAT_VERSION:
         return (
-            "is a bare format-7 payload without the k3-checkpoint header (written by "
-            "torch.save, not save_checkpoint), so its integrity cannot be verified"
+            "is a bare format-7 payload without the k3-checkpoint trailer (written by "
+            "torch.save, not save_checkpoint, or cut short by exactly its trailer), so its "
+            "integrity cannot be verified"
         )
     return format_problem(version) or "is not a k3 checkpoint"
+
+
+@functools.cache
+def _closer() -> ThreadPoolExecutor:
+    """The thread that closes (and so frees) the files saves replace."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-checkpoint-close")
 
 
 def fsync_directory(directory: str | os.PathLike[str]) -> None:

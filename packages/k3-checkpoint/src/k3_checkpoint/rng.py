@@ -141,7 +141,7 @@ def _cuda_in_use() -> bool:
 @functools.cache
 def _scratch_numpy_generator() -> np.random.RandomState:
     """A generator of this process's own that validation sets and never draws from: seeding a
-    new one (as each validation did) took 0.17 ms, more than the rest of NumPy's check.
+    new one for each validation cost more than the rest of NumPy's check.
     ``set_state`` holds the generator's lock, so concurrent loads are safe."""
     return np.random.RandomState()
 
@@ -150,8 +150,8 @@ def _words(value: object) -> tuple[int, ...]:
     """Generator words from their int64 tensor (one pickle record, not 600 pickled ints)."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
         raise TypeError(f"expected a 1-D int64 tensor, got {value!r:.80}")
-    # Checked in Python, not with tensor min()/max(): a process's first call of those costs
-    # ~0.5 ms, on the critical path of every resume.
+    # Checked in Python, not with tensor min()/max(): a process's first call of those is
+    # slow, and on the critical path of every resume.
     words = tuple(value.tolist())
     if words and not (min(words) >= 0 and max(words) < 1 << 32):
         raise ValueError("generator words must fit in 32 bits")

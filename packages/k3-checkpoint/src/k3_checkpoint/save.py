@@ -28,7 +28,8 @@ def save_checkpoint(
     *,
     modules: Sequence[torch.nn.Module] = (),
 ) -> str:
-    """Write a format-7 checkpoint of ``components`` and ``metadata``; return its sha256 hex.
+    """Write a format-7 checkpoint of ``components`` and ``metadata``; return its checksum
+    (XXH3-128, hex).
 
     ``components`` maps names to objects with ``state_dict()``/``load_state_dict()`` (or to
     mappings of them); ``metadata`` is plain data the loader compares under its policy. The

@@ -34,7 +34,7 @@ class CheckpointSummary:
         """Human-readable summary, one payload key per line (what a CLI's ``inspect`` prints)."""
         lines = [
             f"checkpoint     {self.path} (format {self.format_version}, "
-            f"{_size(self.file_bytes)}, digest {self.digest[:16]}…)"
+            f"{_size(self.file_bytes)}, checksum {self.digest[:16]}…)"
         ]
         for key, value in self.entries.items():
             if key in ("format_version", "rng"):
@@ -47,7 +47,7 @@ class CheckpointSummary:
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointSummary:
     """Read and verify ``path`` and summarize it; raises ``CheckpointError`` like the loader."""
-    payload, digest, _ = read_verified(path)
+    payload, digest = read_verified(path)
     path = Path(path)
     return CheckpointSummary(
         path=path,

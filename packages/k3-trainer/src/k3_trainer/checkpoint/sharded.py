@@ -6,7 +6,7 @@ with ``torch.distributed.checkpoint`` (DCP), keyed by parameter name and global 
 any world size can read them back (DCP reshards). Beside the shards, rank 0 writes
 ``k3.ckpt``: an ordinary format-7 checkpoint of everything else (counters, loader cursors,
 scaler, RNG, the metadata the compatibility policy compares, optimizer class and layout)
-plus the sha256 of every shard file. The folder::
+plus the XXH3-128 checksum of every shard file (``k3_checkpoint.file_checksum``). The folder::
 
     checkpoint.dcp -> checkpoint.dcp.step-00000100/   (a symlink, replaced atomically)
         .metadata  __0_0.distcp  __1_0.distcp  k3.ckpt
@@ -16,9 +16,9 @@ adds ``k3.ckpt``, renames the folder to its step name and swaps the ``checkpoint
 symlink to it with one ``rename`` (then drops the previous folder). A crash at any point
 leaves the previous checkpoint readable under the same name.
 
-Loading checks before it changes anything: ``k3.ckpt`` through ``k3_checkpoint`` (digest,
+Loading checks before it changes anything: ``k3.ckpt`` through ``k3_checkpoint`` (checksum,
 metadata under the policy), then, as that file's ``shards`` component, every shard file's
-digest (each rank hashes its share) and every tensor's name, global shape and dtype
+checksum (each rank hashes its share) and every tensor's name, global shape and dtype
 against the live model and optimizer. Only after every rank has accepted are the tensors
 read, straight into the live (possibly sharded) model and optimizer.
 """
@@ -26,7 +26,6 @@ read, straight into the live (possibly sharded) model and optimizer.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import warnings
@@ -47,7 +46,6 @@ META = "k3.ckpt"
 """The format-7 file inside a sharded checkpoint folder."""
 
 _SHOWN = 5  # names listed in a message before "…"
-_READ = 8 << 20  # bytes per read while hashing a shard file
 
 
 def is_sharded(path: str | os.PathLike[str]) -> bool:
@@ -115,7 +113,7 @@ def write_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _hash_share(folder: Path, parallel: Parallel | None) -> dict[str, dict[str, Any]]:
-    """``{file: {"bytes", "sha256"}}`` for every file DCP wrote; each rank hashes its share
+    """``{file: {"bytes", "xxh3_128"}}`` for every file DCP wrote; each rank hashes its share
     of the files and the ranks pool the results."""
     rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
     try:
@@ -136,11 +134,7 @@ def _hash_share(folder: Path, parallel: Parallel | None) -> dict[str, dict[str, 
 
 
 def _file_entry(path: Path) -> dict[str, Any]:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as file:
-        while block := file.read(_READ):
-            hasher.update(block)
-    return {"bytes": path.stat().st_size, "sha256": hasher.hexdigest()}
+    return {"bytes": path.stat().st_size, "xxh3_128": k3_checkpoint.file_checksum(path)}
 
 
 def _publish(staging: Path, path: Path, step: int) -> None:
@@ -258,9 +252,9 @@ def _live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
 class ShardIndex:
     """The shard files of a sharded checkpoint as a ``k3.ckpt`` component.
 
-    Saving: ``state_dict()`` is ``{"files": {name: {"bytes", "sha256"}}}``. Loading:
+    Saving: ``state_dict()`` is ``{"files": {name: {"bytes", "xxh3_128"}}}``. Loading:
     ``load_state_dict`` verifies this rank's share of the files (all of them with one
-    process) against those digests, and the folder's tensor table against the live model
+    process) against those checksums, and the folder's tensor table against the live model
     and optimizer, raising on the first problem; it runs before anything is restored.
     """
 
@@ -289,7 +283,7 @@ class ShardIndex:
             entry = files[name]
             if not isinstance(entry, Mapping) or _file_entry(self.folder / name) != dict(entry):
                 raise ValueError(f"shard file {name} does not match its recorded size and "
-                                 "sha256: the checkpoint is corrupt")
+                                 "checksum: the checkpoint is corrupt")
         if self.live is not None:
             check_tensor_table(self.folder, self.live)
         self.files = dict(files)
@@ -336,7 +330,7 @@ def check_tensor_table(folder: Path, live: dict[str, Any]) -> None:
 
 def describe_sharded(path: Path) -> list[str]:
     """``k3-train inspect`` of a sharded checkpoint: ``k3.ckpt``'s summary plus the shards,
-    every file's digest verified."""
+    every file's checksum verified."""
     summary = k3_checkpoint.inspect_checkpoint(path / META)
     shards = summary.entries.get("shards")
     files = shards.get("files") if isinstance(shards, Mapping) else None
@@ -349,7 +343,7 @@ def describe_sharded(path: Path) -> list[str]:
     table = _tensor_bytes(path)
     lines = [f"sharded        {Path(path)} -> {Path(path).resolve().name} "
              f"(torch.distributed.checkpoint, {len(files)} files, "
-             f"{_size(sum(int(e['bytes']) for e in files.values()))}, every digest verified)"]
+             f"{_size(sum(int(e['bytes']) for e in files.values()))}, every checksum verified)"]
     for key in ("model", "optimizer"):
         lines.append(f"{key:<14} {_size(table.get(key, 0))} of tensors (sharded)")
     lines += [line for line in summary.lines()

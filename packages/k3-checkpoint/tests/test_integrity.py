@@ -1,0 +1,150 @@
+"""The checksum: XXH3-128 of every byte before the trailer, as documented; the paths that
+compute it agree; a corrupt file never reaches torch.load; an in-place rewrite after the
+checksum is caught."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+import xxhash
+from ckpt_helpers import make_run
+
+from k3_checkpoint import (
+    CheckpointError,
+    file_checksum,
+    load_checkpoint,
+    read_payload,
+    save_checkpoint,
+)
+from k3_checkpoint import payload as payload_module
+from k3_checkpoint.integrity import checksum_of_bytes, checksum_of_file
+from k3_checkpoint.payload import TRAILER_SIZE, write_payload
+
+
+def test_the_trailer_holds_the_documented_checksum(tmp_path):
+    """Reproducible without this package: xxh3_128 of every byte before the 64-byte trailer,
+    whose layout the payload module's docstring gives."""
+    path = tmp_path / "ckpt.k3"
+    run = make_run()
+    run.step()
+    returned = save_checkpoint(path, **run.save_kwargs())
+    raw = path.read_bytes()
+    zip_bytes, trailer = raw[:-TRAILER_SIZE], raw[-TRAILER_SIZE:]
+    expected = xxhash.xxh3_128(zip_bytes).digest()
+    assert trailer[:8] == b"\x89K3CKPT\n" and trailer[8:12] == (7).to_bytes(4, "little")
+    assert trailer[12:16] == (2).to_bytes(4, "little")
+    assert trailer[16:24] == len(zip_bytes).to_bytes(8, "little") and trailer[24:40] == expected
+    assert returned == expected.hex()
+    assert load_checkpoint(path, **run.save_kwargs()).digest == returned
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) - 1, 1 << 20, (3 << 20) + 17])
+def test_every_checksum_path_agrees(tmp_path, size):
+    data = os.urandom(size)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    expected = xxhash.xxh3_128(data).digest()
+    assert checksum_of_bytes(data) == expected
+    assert file_checksum(path) == expected.hex()
+    with open(path, "rb") as file:
+        assert checksum_of_file(file, 0, size) == expected
+        assert checksum_of_file(file, 0, size + 1) is None  # the file ends first
+        if size > 10:
+            assert checksum_of_file(file, 3, size - 5) == xxhash.xxh3_128(data[3:-5]).digest()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {},  # no tensors at all
+        {"notes": "plain state only", "step": 3, "nested": {"a": [1, 2.5, None]}},
+        {"w": torch.arange(7, dtype=torch.int16), "empty": torch.zeros(0), "s": torch.tensor(2.0)},
+        {"big": torch.randn(3000, 700), "view": torch.arange(100)[::3], "step": 9},
+    ],
+    ids=["no-tensors", "plain-only", "tiny-tensors", "large"],
+)
+def test_payloads_of_every_shape_round_trip(tmp_path, payload):
+    path = tmp_path / "ckpt.k3"
+    checksum = write_payload(path, {"format_version": 7, **payload})
+    loaded, read_checksum = payload_module.read_verified(path)
+    assert read_checksum == checksum
+    assert set(loaded) == {"format_version", *payload}
+    for key, value in payload.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value) and loaded[key].dtype == value.dtype
+        else:
+            assert loaded[key] == value
+
+
+def test_corrupt_payloads_never_reach_torch_load(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.k3"
+    write_payload(path, {"format_version": 7, "w": torch.ones(10_000)})
+    raw = bytearray(path.read_bytes())
+    raw[-200] ^= 1
+    path.write_bytes(raw)
+    calls = []
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(args))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_payload(path)
+    assert calls == []
+
+
+def test_a_rewrite_in_place_after_the_checksum_is_refused(tmp_path, monkeypatch):
+    """A writer changing the file's bytes after they were hashed (same inode, same size)
+    must not be loaded as the verified file: its modification time gives it away."""
+    path, other = tmp_path / "ckpt.k3", tmp_path / "other.k3"
+    write_payload(path, {"format_version": 7, "w": torch.full((5000,), 1.0)})
+    write_payload(other, {"format_version": 7, "w": torch.full((5000,), 2.0)})
+    replacement = other.read_bytes()
+    assert len(replacement) == path.stat().st_size
+    real = payload_module.checksum_of_file
+
+    def then_overwrite(*args):
+        result = real(*args)
+        stamp = os.stat(path).st_mtime_ns
+        with open(path, "r+b") as file:
+            file.write(replacement)
+        os.utime(path, ns=(stamp + 1_000_000, stamp + 1_000_000))  # a coarse clock, too
+        return result
+
+    monkeypatch.setattr(payload_module, "checksum_of_file", then_overwrite)
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        read_payload(path)
+
+
+def test_save_fails_cleanly_when_torch_save_fails_mid_write(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.k3"
+    real_save = torch.save
+
+    def failing(obj, file, *args, **kwargs):
+        file.write(b"x" * 5000)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(OSError, match="No space"):
+        write_payload(path, {"format_version": 7})
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(torch, "save", real_save)
+    write_payload(path, {"format_version": 7, "step": 1})
+    assert read_payload(path)["step"] == 1
+
+
+def test_a_zip_whose_end_record_is_not_last_is_refused_by_the_save(tmp_path, monkeypatch):
+    """The trailer becomes the zip's comment by patching the end record torch.save wrote
+    last; a torch that wrote anything else is refused, not corrupted."""
+    real_save = torch.save
+
+    def with_a_comment(obj, file, *args, **kwargs):
+        body = io.BytesIO()
+        real_save(obj, body)
+        data = bytearray(body.getvalue())
+        data[-2:] = (3).to_bytes(2, "little")
+        file.write(bytes(data) + b"abc")
+
+    monkeypatch.setattr(torch, "save", with_a_comment)
+    with pytest.raises(CheckpointError, match="end record is not last"):
+        write_payload(tmp_path / "ckpt.k3", {"format_version": 7})
+    assert list(tmp_path.iterdir()) == []
