@@ -53,7 +53,7 @@ def resolve_data(data: Path | None) -> Path:
 
 
 def model_config_from(preset: str | None, overrides: dict[str, Any],
-                  recorded: dict[str, Any] | None) -> K3Config:
+                      recorded: dict[str, Any] | None) -> K3Config:
     try:
         if recorded is not None and preset is None:
             return K3Config.from_dict({**recorded, **overrides})
@@ -63,7 +63,7 @@ def model_config_from(preset: str | None, overrides: dict[str, Any],
 
 
 def train_config_from(base: dict[str, Any], toml: dict[str, Any],
-                  overrides: dict[str, Any]) -> TrainConfig:
+                      overrides: dict[str, Any]) -> TrainConfig:
     merged = {**base, **toml.get("train", {}), **overrides}
     try:
         return TrainConfig.from_dict(merged)
