@@ -129,7 +129,7 @@ def test_evaluate_reads_the_fixed_prefix_and_changes_nothing(data_dir):
 
 
 def _forged(saved, tmp_path, change):
-    """A copy of ``saved`` whose payload ``change`` edited, behind a valid header and digest."""
+    """A copy of ``saved`` whose payload ``change`` edited, behind a valid trailer and checksum."""
     path = tmp_path / "forged.pt"
     payload = read_payload(saved)
     change(payload)

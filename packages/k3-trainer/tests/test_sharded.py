@@ -1,5 +1,5 @@
 """Sharded checkpoint folders in one process: atomic publication, strict validate-before-
-mutate loading, and the shard digests. (Several ranks: tests/test_distributed_checkpoints.py.)"""
+mutate loading, and the shard checksums. (Several ranks: tests/test_distributed_checkpoints.py.)"""
 
 from __future__ import annotations
 
