@@ -169,7 +169,7 @@ def test_a_tmp_left_by_a_kill_is_never_a_checkpoint(tmp_path, data_dir, small_to
     assert killed.returncode == -signal.SIGKILL
     leftover = run / "checkpoint.pt.tmp"
     assert leftover.exists() and not (run / "checkpoint.pt").exists()
-    with pytest.raises(CheckpointError, match="no k3-checkpoint trailer .* a save cut short"):
+    with pytest.raises(CheckpointError, match=r"no k3-checkpoint trailer .* a save cut short"):
         read_payload(leftover)
     capsys.readouterr()
     assert main(["train", "--run-dir", str(run), "--resume"]) == 0  # nothing to lose: again
