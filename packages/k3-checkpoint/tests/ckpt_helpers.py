@@ -31,17 +31,23 @@ TRAINER_POLICY = CompatibilityPolicy(
 )
 
 
-def write_enveloped(payload: object, path: Path, format_version: int = 7) -> bytes:
-    """Write ``payload`` (a plain ``torch.save``) with a correct trailer and checksum, as a
-    careful forger would; returns the zip's bytes (everything before the trailer)."""
-    body = io.BytesIO()
-    torch.save(payload, body)
-    data = bytearray(body.getvalue())
+def envelope(zip_bytes: bytes, format_version: int = 7) -> bytes:
+    """``zip_bytes`` (a torch.save zip) with a correct trailer as its comment, checksum
+    included: what a careful forger writes."""
+    data = bytearray(zip_bytes)
     assert data[-22:-18] == b"PK\x05\x06" and data[-2:] == b"\0\0"  # the end record, last
     data[-2:] = TRAILER_SIZE.to_bytes(2, "little")  # the trailer is the zip's comment
-    path.write_bytes(bytes(data) + pack_trailer(format_version, len(data),
-                                                checksum_of_bytes(data)))
-    return bytes(data)
+    return bytes(data) + pack_trailer(format_version, len(data), checksum_of_bytes(data))
+
+
+def write_enveloped(payload: object, path: Path, format_version: int = 7) -> bytes:
+    """Write ``payload`` (a plain ``torch.save``) behind a correct trailer; returns the
+    zip's bytes (everything before the trailer)."""
+    body = io.BytesIO()
+    torch.save(payload, body)
+    enveloped = envelope(body.getvalue(), format_version)
+    path.write_bytes(enveloped)
+    return enveloped[:-TRAILER_SIZE]
 
 
 def write_legacy(payload: object, path: Path, format_version: int = 7) -> bytes:

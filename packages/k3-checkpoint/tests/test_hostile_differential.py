@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import assert_same_payload, make_run, run_fingerprint
+from ckpt_helpers import assert_same_payload, envelope, make_run, run_fingerprint
 
 from k3_checkpoint import CheckpointError, load_checkpoint, read_payload, save_checkpoint
-from k3_checkpoint.integrity import checksum_of_bytes
-from k3_checkpoint.payload import TRAILER_SIZE, pack_trailer
+from k3_checkpoint.payload import TRAILER_SIZE
 
 
 class _Runs:
@@ -48,14 +47,6 @@ def _rewritten(payload: object, member: str, change: Callable[[bytes], bytes]) -
                 data = change(data)
             zout.writestr(info, data)
     return out.getvalue()
-
-
-def _enveloped(zip_bytes: bytes, path: Path) -> None:
-    """``zip_bytes`` behind a correct trailer (as the zip's comment), checksum included."""
-    data = bytearray(zip_bytes)
-    assert data[-22:-18] == b"PK\x05\x06" and data[-2:] == b"\0\0"
-    data[-2:] = TRAILER_SIZE.to_bytes(2, "little")
-    path.write_bytes(bytes(data) + pack_trailer(7, len(data), checksum_of_bytes(data)))
 
 
 def _sparse(indices: list[list[int]], size: tuple[int, ...]) -> torch.Tensor:
@@ -189,7 +180,7 @@ def test_what_torch_refuses_load_checkpoint_refuses_and_nothing_changes(name, ch
     torch_refuses = _torch_refuses(bare)
     assert not marker.exists(), "torch's weights-only load ran code"
     hostile = tmp_path / "hostile.k3"
-    _enveloped(zip_bytes, hostile)
+    hostile.write_bytes(envelope(zip_bytes))
 
     run = make_run()
     run.step()
