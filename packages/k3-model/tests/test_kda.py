@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -37,10 +39,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("t", [1, 17, 50, 100])
 @pytest.mark.parametrize("chunk", [16, 32, 64])
 @pytest.mark.parametrize("state", [False, True])
-def test_chunk_equals_recurrent_fp64(t, chunk, state):
+@pytest.mark.parametrize("bound", [None, -5.0])  # safe diagonal / K3's fast one
+def test_chunk_equals_recurrent_fp64(t, chunk, state, bound):
     x = inputs(t=t, state=state, seed=t)
     o_ref, s_ref = recurrent_kda(**x, output_final_state=True)
-    o, s = chunk_kda(**x, output_final_state=True, chunk_size=chunk)
+    o, s = chunk_kda(**x, output_final_state=True, chunk_size=chunk, gate_lower_bound=bound)
     assert o.dtype == s.dtype == F64 and o.shape == o_ref.shape
     assert rel(o, o_ref) <= 1e-10
     assert rel(s, s_ref) <= 1e-10
@@ -65,20 +68,23 @@ def grads(fn, x: dict[str, torch.Tensor], **kw) -> dict[str, torch.Tensor]:
     return {n: t.grad for n, t in leaves.items()}
 
 
-def test_chunk_gradients_equal_recurrent_fp64():
+@pytest.mark.parametrize("bound", [None, -5.0])
+def test_chunk_gradients_equal_recurrent_fp64(bound):
     x = inputs(b=1, t=40, state=True)
-    ref, got = grads(recurrent_kda, x), grads(chunk_kda, x, chunk_size=16)
+    ref, got = grads(recurrent_kda, x), grads(chunk_kda, x, chunk_size=16, gate_lower_bound=bound)
     assert set(got) == {"q", "k", "v", "g", "beta", "initial_state"}
     for name in ref:
         assert rel(got[name], ref[name]) <= 1e-10, name
 
 
-def test_chunk_gradcheck():
+@pytest.mark.parametrize("bound", [None, -5.0])
+def test_chunk_gradcheck(bound):
     x = inputs(b=1, t=18, h=1, dk=3, dv=2, state=True)  # two chunks of 16
     names = list(x)
 
     def fn(*args):
-        o, s = chunk_kda(**dict(zip(names, args)), output_final_state=True, chunk_size=16)
+        o, s = chunk_kda(**dict(zip(names, args)), output_final_state=True, chunk_size=16,
+                         gate_lower_bound=bound)
         return o, s
 
     assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in x.values()])
@@ -107,23 +113,109 @@ def test_solve_runs_in_fp32_under_bf16_autocast(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,tol", [(F64, 1e-10), (torch.float32, 1e-5)])
-def test_extreme_decay_stays_finite_and_exact(dtype, tol):
+@pytest.mark.parametrize("bound", [None, -5.0])
+def test_extreme_decay_stays_finite_and_exact(dtype, tol, bound):
     # g ≈ −5 at every step: e^{−G} over a 64-step chunk would be e^{320}, far past fp32.
     x = inputs(b=1, t=200, h=2, dk=16, dv=16, state=True, g=(-5.0, -4.999))
     o_ref, s_ref = recurrent_kda(**x, output_final_state=True)
-    o, s = chunk_kda(**{n: t.to(dtype) for n, t in x.items()}, output_final_state=True)
+    o, s = chunk_kda(**{n: t.to(dtype) for n, t in x.items()}, output_final_state=True,
+                     gate_lower_bound=bound)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert rel(o, o_ref) <= tol and rel(s, s_ref) <= tol
 
 
-def test_fp32_gradients_finite_under_extreme_decay():
+@pytest.mark.parametrize("bound", [None, -5.0])
+def test_fp32_gradients_finite_under_extreme_decay(bound):
     x = inputs(b=1, t=130, h=1, dk=16, dv=16, g=(-5.0, -4.999))
     ref = grads(recurrent_kda, {n: t.to(F64) for n, t in x.items()})
-    got = grads(chunk_kda, {n: t.float() for n, t in x.items()})
+    got = grads(chunk_kda, {n: t.float() for n, t in x.items()}, gate_lower_bound=bound)
     for name in ref:
         assert torch.isfinite(got[name]).all(), name
         # g's gradient sums terms that cancel within a chunk: fp32 keeps ~4 digits of it.
         assert rel(got[name], ref[name]) <= (1e-3 if name == "g" else 1e-5), name
+
+
+def hostile(case: str) -> dict[str, torch.Tensor]:
+    """fp64 inputs (T = 75: not a whole number of chunks) with gates far below K3's −5."""
+    x = inputs(b=2, t=75, h=2, dk=8, dv=6, state=True, seed=3)
+    g = x["g"]
+    if case == "zero":
+        g = torch.zeros_like(g)
+    elif case.startswith("const"):
+        g = torch.full_like(g, float(case[5:]))
+    elif case == "spike-80":  # one step that all but wipes the state, in ordinary gates
+        g = g.clone()
+        g[:, 37] = -80.0
+    elif case == "unbounded":  # −exp(3·N(0, 1)): from ≈ −1e-4 to below −1e4
+        gen = torch.Generator().manual_seed(5)
+        g = -torch.exp(3 * torch.randn(g.shape, generator=gen, dtype=F64))
+    return {**x, "g": g}
+
+
+HOSTILE = ["const-5.95", "const-20", "spike-80", "unbounded", "zero"]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_chunk_exact_for_any_gate(case, chunk, dtype):
+    # const-5.95 is just past the old fp32 limit: e^{5.95·15} overflowed to inf, then NaN.
+    x = hostile(case)
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True)
+    o, s = chunk_kda(**{n: t.to(dtype) for n, t in x.items()}, output_final_state=True,
+                     chunk_size=chunk)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    # Unbounded gates make |G| ~ 1e4 within a chunk: fp32 keeps ~4 digits of G_t − G_j.
+    tol = 1e-10 if dtype == F64 else (2e-3 if case == "unbounded" else 1e-5)
+    assert rel(o, o_ref) <= tol and rel(s, s_ref) <= tol
+
+
+@pytest.mark.parametrize("case", ["spike-80", "unbounded"])
+def test_chunk_gradients_for_any_gate_equal_recurrent_fp64(case):
+    x = hostile(case)
+    ref, got = grads(recurrent_kda, x), grads(chunk_kda, x, chunk_size=32)
+    for name in ref:
+        assert torch.isfinite(got[name]).all(), name
+        assert rel(got[name], ref[name]) <= 1e-10, name
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_fp32_gradients_finite_for_any_gate(case):
+    x = hostile(case)
+    ref = grads(recurrent_kda, x)
+    got = grads(chunk_kda, {n: t.float() for n, t in x.items()}, chunk_size=32)
+    for name in ref:
+        assert torch.isfinite(got[name]).all(), name
+        if name != "g":  # g's gradient is tiny under const-20 (≈ e⁻²⁰): fp32 noise dominates
+            assert rel(got[name], ref[name]) <= (2e-3 if case == "unbounded" else 1e-5), name
+
+
+@pytest.mark.parametrize("bound,dtype,fast", [
+    (None, torch.float32, False), (None, F64, False),
+    (-5.0, torch.float32, True), (0.0, torch.float32, True),
+    (-40.0, torch.float32, False),  # e^{40·15} is past fp32 ...
+    (-40.0, F64, True),  # ... but not fp64
+    (-50.0, F64, False),  # e^{750} is past fp64 too
+])
+def test_gate_lower_bound_picks_the_diagonal(monkeypatch, bound, dtype, fast):
+    calls = []
+    pairwise = kda._pairwise_diagonal
+    monkeypatch.setattr(kda, "_pairwise_diagonal", lambda *a: calls.append(1) or pairwise(*a))
+    lo = 0.0 if bound is None else bound
+    x = inputs(b=1, t=40, h=2, state=True, g=(lo, 0.0), seed=4)
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True)
+    o, s = chunk_kda(**{n: t.to(dtype) for n, t in x.items()}, output_final_state=True,
+                     chunk_size=32, gate_lower_bound=bound)
+    assert bool(calls) is not fast
+    tol = 1e-10 if dtype == F64 else 1e-5
+    assert rel(o, o_ref) <= tol and rel(s, s_ref) <= tol
+
+
+@pytest.mark.parametrize("bound", [1.0, 1e-9, -math.inf, math.nan, "-5", True,
+                                   torch.tensor(-5.0)])
+def test_bad_gate_lower_bound_raises(bound):
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        chunk_kda(**inputs(dtype=torch.float32), gate_lower_bound=bound)
 
 
 @pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
@@ -234,6 +326,51 @@ def test_layer_rejects_invalid_arguments(kw, match):
         KimiDeltaAttention(**args)
 
 
+def test_layer_tells_chunk_kda_its_gate_bound(monkeypatch):
+    seen: list[dict] = []
+    real = kda.chunk_kda
+
+    def spy(*args, **kw):
+        seen.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kda, "chunk_kda", spy)
+    layer()(x_in())
+    assert seen and seen[0]["gate_lower_bound"] == kda.DECAY_LOWER_BOUND == -5.0
+
+
+def test_layer_fla_call_says_gate_is_bounded(monkeypatch):
+    # fla's safe_gate: its fast kernel for a precomputed g bounded below (it names −5).
+    seen: list[dict] = []
+
+    def fake_fla(q, k, v, g, beta, **kw):
+        seen.append({"g": g, **kw})
+        return torch.zeros_like(v), None
+
+    monkeypatch.setattr(kda, "_fla_chunk_kda", lambda: fake_fla)
+    monkeypatch.setattr(KimiDeltaAttention, "_use_fla", lambda self, x: True)
+    m = layer(backend="auto")
+    out = m(x_in())
+    assert out.shape == (2, 21, 16) and len(seen) == 1
+    kw = seen[0]
+    assert kw["safe_gate"] is True
+    assert not kw.get("use_gate_in_kernel", False)  # g is precomputed: no in-kernel gate
+    assert kw["use_qk_l2norm_in_kernel"] is False and kw["scale"] == 8**-0.5
+    assert (kw["g"] >= kda.DECAY_LOWER_BOUND).all() and (kw["g"] <= 0).all()
+
+
+def test_an_older_fla_without_safe_gate_is_not_given_it(monkeypatch):
+    seen: list[dict] = []
+
+    def old_fla(q, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=False):
+        seen.append({"scale": scale})
+        return torch.zeros_like(v), None
+
+    monkeypatch.setattr(kda, "_fla_chunk_kda", lambda: old_fla)
+    monkeypatch.setattr(KimiDeltaAttention, "_use_fla", lambda self, x: True)
+    assert layer(backend="auto")(x_in()).shape == (2, 21, 16) and len(seen) == 1
+
+
 @pytest.mark.skipif(kda.fla_available(), reason="flash-linear-attention is installed")
 def test_fla_backend_without_fla_says_how_to_get_it():
     with pytest.raises(ImportError, match="flash-linear-attention"):
@@ -246,8 +383,9 @@ def test_fla_backend_without_fla_says_how_to_get_it():
 def test_fla_kernel_agrees_with_chunk_kda():
     x = {n: t.float().cuda() for n, t in inputs(b=2, t=300, h=4, dk=64, dv=64).items()}
     ours, _ = chunk_kda(**x)
-    theirs, _ = kda._fla_chunk_kda()(**x, use_qk_l2norm_in_kernel=False)
-    assert rel(theirs, ours) <= 2e-3
+    for safe_gate in (False, True):  # g ∈ [−5, 0]: fla's bounded-gate kernel applies
+        theirs, _ = kda._fla_chunk_kda()(**x, use_qk_l2norm_in_kernel=False, safe_gate=safe_gate)
+        assert rel(theirs, ours) <= 2e-3, safe_gate
     torch.manual_seed(0)
     m = KimiDeltaAttention(128, 2, 64, backend="torch").cuda()
     xs = torch.randn(2, 130, 128, device="cuda")

@@ -202,6 +202,19 @@ def test_reset_parameters_keeps_the_designed_inits(make_model):
     assert 0.015 < model.layers[1].mlp.router.weight.std() < 0.025
 
 
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_every_rmsnorm_of_a_preset_uses_k3s_eps(name):
+    """K3's RMSNorms (blocks, MLA latents, KDA output, LatentMoE, residual reads, final)
+    use eps 1e-5 (DESIGN §7); a stray default of 1e-6 anywhere fails here."""
+    from k3_model import preset
+    from k3_model.norm import RMSNorm
+
+    config = preset(name, n_layers=4, vocab_size=256) if name == "small" else preset(name)
+    norms = [m for m in K3Model(config).modules() if isinstance(m, RMSNorm)]
+    assert len(norms) > 10
+    assert {m.eps for m in norms} == {1e-5}
+
+
 def test_attention_residuals_start_as_the_mean_of_their_sources(make_model, make_tokens):
     """Zero pseudo-queries: every read is the plain mean of its sources (DESIGN §7)."""
     model = make_model("k3", n_layers=3, mlp="dense", attn_res_block_size=2).eval()

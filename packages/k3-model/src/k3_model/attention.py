@@ -153,7 +153,7 @@ def build_attention(config: K3Config, kind: str) -> GQAttention | MLAttention | 
     if kind == "kda":
         return KimiDeltaAttention(
             config.d_model, config.kda_n_heads, config.kda_dim,
-            conv_size=config.kda_conv_size, chunk_size=config.kda_chunk_size,
-            backend=config.kda_backend,
+            conv_size=config.kda_conv_size, norm_eps=config.norm_eps,
+            chunk_size=config.kda_chunk_size, backend=config.kda_backend,
         )
     return MLAttention(config) if kind == "mla" else GQAttention(config)

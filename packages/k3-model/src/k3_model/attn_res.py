@@ -36,7 +36,7 @@ class ResidualRead(nn.Module):
     ``1 / rms`` of a committed block can be computed once for every later read.
     """
 
-    def __init__(self, d_model: int, eps: float = 1e-6):
+    def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
         self.norm = RMSNorm(d_model, eps)

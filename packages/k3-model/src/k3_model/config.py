@@ -106,8 +106,8 @@ class K3Config:
     """MoE: in (0, 1], how much of the balancer's new bias replaces the old (1: all)."""
     rope_theta: float = 10000.0
     """Base of the rotary position encoding."""
-    norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm (K3's 1e-5)."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output head."""
     init_std: float = 0.02

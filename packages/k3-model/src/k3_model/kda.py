@@ -9,13 +9,18 @@ The operator, per head with state ``S ∈ R^{K×V}``, for each step t::
 ``recurrent_kda`` runs it step by step (the reference); ``chunk_kda`` computes the same
 thing chunk by chunk: the within-chunk interactions as a few batched matmuls and one unit
 lower-triangular solve per chunk (the WY/UT transform), and only the chunk-to-chunk state
-pass as a Python loop. Both compute in fp32 (fp64 when an input is fp64) whatever autocast
-is active, so the triangular solve never sees bf16.
+pass as a Python loop. Both are correct for any log decay g ≤ 0; ``chunk_kda`` takes a
+faster path when told a lower bound on g (``gate_lower_bound``, as K3's layer does). Both
+compute in fp32 (fp64 when an input is fp64) whatever autocast is active, so the
+triangular solve never sees bf16.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -27,9 +32,10 @@ from .norm import RMSNorm
 CHUNK_SIZES = (16, 32, 64)
 BACKENDS = ("auto", "torch", "fla")
 DECAY_LOWER_BOUND = -5.0  # K3's g = −5·sigmoid(·): every step keeps at least e⁻⁵ of the state
-# Sub-block length for the pairwise decay exp(G_t − G_j): within a sub-block one factor
-# reaches exp(|g|·(SUB − 1)), e⁷⁵ at K3's bound, which fp32 holds (up to |g| ≈ 5.9 per
-# step); across sub-blocks every factor is ≤ 1.
+# Sub-block length for the pairwise decay exp(G_t − G_j). Across sub-blocks every factor
+# is ≤ 1 for any g ≤ 0. Within one, chunk_kda's fast form has a factor up to
+# exp(|g|·(SUB − 1)), e⁷⁵ at K3's bound, which fp32 holds; without a known bound it forms
+# exp(G_t − G_j) per pair instead (SUB × SUB × K per sub-block).
 SUB = 16
 
 
@@ -101,25 +107,71 @@ def _chunked(x: Tensor, chunk: int, dtype: torch.dtype) -> Tensor:
     return x.reshape(b * h, (t + pad) // chunk, chunk, *x.shape[3:]).contiguous()
 
 
-def _intra_chunk(q_in: Tensor, k_in: Tensor, k_hat: Tensor, ref: Tensor) -> tuple[Tensor, Tensor]:
+def _exp_limit(dtype: torch.dtype) -> float:
+    """The largest exponent the fast diagonal may form in ``dtype``: ln(max) less a margin.
+
+    ln(finfo.max) is ≈ 88.7 in fp32 and ≈ 709.8 in fp64; the margin of 8 (a factor e⁸ ≈ 3000)
+    leaves room for the k and gradient magnitudes that multiply the factor.
+    """
+    return math.log(torch.finfo(dtype).max) - 8.0
+
+
+def _pairwise_diagonal(q: Tensor, kb: Tensor, k: Tensor, gcum: Tensor) -> Tensor:
+    """The diagonal sub-blocks' scores, safe for any g ≤ 0: ``Σ_d x_td k_jd e^{G_td − G_jd}``.
+
+    ``q``, ``kb`` (= βk), ``k``, ``gcum``: [BH, N, blocks, SUB, K]. The decay
+    ``e^{G_t − G_j}`` is formed per (t, j, channel) for j ≤ t, every sub-block at once
+    ([BH, N, blocks, SUB, SUB, K], SUB times the size of q); j > t is set to −inf before
+    the exp (by adding a 0/−inf mask), so no factor exceeds 1 and gradients stay finite.
+    Returns [BH, N, blocks, SUB, SUB, 2]: the q scores (…, 0) and the βk scores (…, 1),
+    both including j = t (the caller masks what it does not keep).
+    """
+    sub = gcum.shape[-2]
+    future = torch.full((sub, sub), -math.inf, dtype=gcum.dtype, device=gcum.device)
+    future = future.triu_(1).unsqueeze(-1)  # [t, j, 1]: −inf where j > t, else 0
+    # (G_t + mask) + (−G_j), in place: ~30% faster than a sub and a masked_fill, forward
+    # and backward (no full-size neg or where in the backward).
+    decay = (gcum.unsqueeze(-2) + future).add_(gcum.neg().unsqueeze(-3)).exp_()
+    decayed_k = decay * k.unsqueeze(-3)  # [.., t, j, K]: k_j e^{G_t − G_j}
+    return torch.matmul(decayed_k, torch.stack([q, kb], dim=-1))  # [.., t, j, 2]
+
+
+def _intra_chunk(q_in: Tensor, k_in: Tensor, k_tail: Tensor, ref: Tensor, last: Tensor,
+                 diagonal: Tensor | None) -> tuple[Tensor, Tensor]:
     """Within-chunk scores ``Σ_d x_td k_jd e^{G_td − G_jd}`` for x = q (j ≤ t) and x = βk (j < t).
 
-    The decay is split at the first step r(t) of t's sub-block and at the first step r(j)
-    of j's: ``e^{G_t − G_r(t)} · e^{G_r(t) − G_r(j)} · e^{G_r(j) − G_j}``. Inputs carry the
-    outer factors (``q_in``, ``k_in``: [BH, N, blocks, SUB, K], rows scaled by the first,
-    ``k_hat`` by the last); the middle one is ≤ 1, as only sub-blocks at or before t's are
-    formed, so nothing overflows and no exp(−G) is ever formed. Returns ``(Aqk, Akk)``,
-    [BH, N, C, C], zero above (Aqk) or on and above (Akk) the diagonal.
+    For j in an earlier sub-block than t the decay is split at the first step r(t) of
+    t's sub-block and at the last step l(j) of j's:
+    ``e^{G_t − G_r(t)} · e^{G_r(t) − G_l(j)} · e^{G_l(j) − G_j}``, each factor ≤ 1 for any
+    g ≤ 0. Inputs carry the outer ones (``q_in``, ``k_in``: [BH, N, blocks, SUB, K], rows
+    scaled by the first; ``k_tail`` by the last); ``ref`` and ``last`` are G at each
+    sub-block's first and last step. The diagonal sub-blocks (t and j in one sub-block)
+    come from ``diagonal`` (``_pairwise_diagonal``'s result) when given; when None, the
+    same three-factor split is used for them too, where the middle factor
+    ``e^{G_r − G_l} ≤ e^{|g|·(SUB − 1)}`` is now ≥ 1: the fast form, for bounded gates only.
+    Returns ``(Aqk, Akk)``, [BH, N, C, C], zero above (Aqk) or on and above (Akk) the
+    diagonal.
     """
     bh, n, blocks, sub, dk = q_in.shape
     c = blocks * sub
-    aqk_rows, akk_rows = [], []
+    aqk_rows: list[Tensor] = []
+    akk_rows: list[Tensor] = []
     for i in range(blocks):  # row sub-block i against column sub-blocks 0..i
-        across = torch.exp(ref[:, :, i:i + 1] - ref[:, :, :i + 1])
-        cols = (k_hat[:, :, :i + 1] * across).view(bh, n, (i + 1) * sub, dk).transpose(-1, -2)
+        width = i + 1 if diagonal is None else i  # column sub-blocks done by matmul here
+        aqk_parts: list[Tensor] = []
+        akk_parts: list[Tensor] = []
+        if width:
+            across = torch.exp(ref[:, :, i:i + 1] - last[:, :, :width])
+            cols = (k_tail[:, :, :width] * across).view(bh, n, width * sub, dk).transpose(-1, -2)
+            aqk_parts.append(torch.matmul(q_in[:, :, i], cols))
+            akk_parts.append(torch.matmul(k_in[:, :, i], cols))
+        if diagonal is not None:
+            aqk_diag, akk_diag = diagonal[:, :, i].unbind(-1)
+            aqk_parts.append(aqk_diag)
+            akk_parts.append(akk_diag)
         pad = (0, c - (i + 1) * sub)
-        aqk_rows.append(F.pad(torch.matmul(q_in[:, :, i], cols), pad))
-        akk_rows.append(F.pad(torch.matmul(k_in[:, :, i], cols), pad))
+        for parts, rows in ((aqk_parts, aqk_rows), (akk_parts, akk_rows)):
+            rows.append(F.pad(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), pad))
     aqk, akk = torch.cat(aqk_rows, dim=2), torch.cat(akk_rows, dim=2)
     idx = torch.arange(c, device=ref.device)
     # In place: cat keeps nothing for backward.
@@ -129,20 +181,34 @@ def _intra_chunk(q_in: Tensor, k_in: Tensor, k_hat: Tensor, ref: Tensor) -> tupl
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
               scale: float | None = None, initial_state: Tensor | None = None,
-              output_final_state: bool = False,
-              chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
-    """``recurrent_kda``'s result, chunk by chunk (same arguments, plus ``chunk_size``).
+              output_final_state: bool = False, chunk_size: int = 64,
+              gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor | None]:
+    """``recurrent_kda``'s result, chunk by chunk (same arguments, plus two).
 
     Per chunk with cumulative decay G: ``(I + Akk) [u | w] = [β v | β e^G k]`` (one unit
     lower-triangular solve, the UT transform), then sequentially over chunks
     ``v' = u − w S``, ``S ← e^{G_last} ⊙ S + (e^{G_last − G} ⊙ k)ᵀ v'``; finally
     ``o = scale · ((e^G ⊙ q) S_start + Aqk v')`` for all chunks at once. Any T (padded
-    internally); ``chunk_size`` in {16, 32, 64}. In fp32 every g must stay above ≈ −5.9
-    per step (K3's gate keeps it above −5); fp64 allows ≈ −47.
+    internally); ``chunk_size`` in {16, 32, 64}.
+
+    Correct for any g ≤ 0 (−inf excluded), in fp32 and fp64: no exp(−G) is formed, and
+    every decay factor is ≤ 1 except, on the fast path, within one 16-step sub-block.
+    ``gate_lower_bound`` (finite, ≤ 0; default None) is the caller's promise that every
+    g ≥ it; it is not checked against g. When ``−gate_lower_bound · 15`` stays a margin
+    below the compute dtype's exp overflow (fp32: bounds down to ≈ −5.4, so K3's −5;
+    fp64: ≈ −46.8), the diagonal sub-blocks use the fast factorized form, whose factor
+    reaches ``e^{−gate_lower_bound · 15}``: a g below the promised bound can then give
+    inf/NaN. Otherwise (and by default) they use the pairwise decay
+    ``e^{G_t − G_j}``, exact for any g ≤ 0 but materializing a tensor 16× the size of q.
     """
     _check(q, k, v, g, beta, initial_state)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    if gate_lower_bound is not None and not (
+            isinstance(gate_lower_bound, numbers.Real) and not isinstance(gate_lower_bound, bool)
+            and math.isfinite(gate_lower_bound) and gate_lower_bound <= 0):
+        raise ValueError(f"gate_lower_bound must be None or a finite float ≤ 0, "
+                         f"got {gate_lower_bound!r}")
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     dtype = _compute_dtype(q, k, v, g, beta, initial_state)
@@ -156,18 +222,23 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
         betac = _chunked(beta, chunk_size, dtype).unsqueeze(-1)  # [BH, N, C, 1]
         bh, n = qc.shape[:2]
         sub = min(SUB, chunk_size)
+        fast = gate_lower_bound is not None \
+            and -float(gate_lower_bound) * (sub - 1) <= _exp_limit(dtype)
         blocks = (bh, n, chunk_size // sub, sub, dk)  # sub-block view of [BH, N, C, K]
         gcum = gc.cumsum(dim=2).view(blocks)
         ref = gcum[:, :, :, :1]  # G at each sub-block's first step
-        inside = torch.exp(gcum - ref)  # e^{G_t − G_r} ∈ [e^{−5·(SUB−1)}, 1]
-        k_hat = kc.view(blocks) * torch.exp(ref - gcum)  # k_j e^{G_r − G_j} ≤ e^{5·(SUB−1)}
-        aqk, akk = _intra_chunk(qc.view(blocks) * inside,
-                                kc.view(blocks) * inside * betac.view(*blocks[:-1], 1),
-                                k_hat, ref)
+        last = gcum[:, :, :, -1:]  # and at its last step
+        inside = torch.exp(gcum - ref)  # e^{G_t − G_r} ≤ 1
+        kb = kc.view(blocks) * betac.view(*blocks[:-1], 1)
+        diagonal = None if fast else _pairwise_diagonal(qc.view(blocks), kb, kc.view(blocks), gcum)
+        k_tail = kc.view(blocks) * torch.exp(last - gcum)  # k_j e^{G_l(j) − G_j}, ≤ 1 factor
+        aqk, akk = _intra_chunk(qc.view(blocks) * inside, kb * inside, k_tail, ref, last,
+                                diagonal)
         decay = (inside * ref.exp()).view_as(kc)  # e^{G_t}, a product of factors ≤ 1
-        last = gcum[:, :, -1:, -1:]  # [BH, N, 1, 1, K]
-        k_to_end = (k_hat * torch.exp(last - ref)).view_as(kc).transpose(-1, -2)
-        chunk_decay = last.exp().view(bh, n, dk, 1)
+        chunk_last = gcum[:, :, -1:, -1:]  # [BH, N, 1, 1, K]
+        # k_j e^{G_end − G_j} = k_tail · e^{G_end − G_l(j)}: both factors ≤ 1.
+        k_to_end = (k_tail * torch.exp(chunk_last - last)).view_as(kc).transpose(-1, -2)
+        chunk_decay = chunk_last.exp().view(bh, n, dk, 1)
         rhs = torch.cat([vc, kc * decay], dim=-1) * betac
         # (I + Akk) X = rhs, posed as Xᵀ (I + Akk)ᵀ = rhsᵀ: the same solve, measured 1.4–2×
         # faster on CPU (MKL) than the left-sided call, forward and backward; a blocked
@@ -199,6 +270,14 @@ def _fla_chunk_kda() -> Any:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     return fla_chunk_kda
+
+
+def _bounded_gate_option(fla_kda: Any) -> dict[str, bool]:
+    """``{"safe_gate": True}`` where the installed fla's ``chunk_kda`` takes it (fla-core
+    0.6 does; an older one has no such argument and gets none)."""
+    parameters = inspect.signature(fla_kda).parameters.values()
+    takes = any(p.name == "safe_gate" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return {"safe_gate": True} if takes else {}
 
 
 @functools.cache
@@ -312,10 +391,16 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         scale = e**-0.5
         if self._use_fla(x):
-            o, _ = _fla_chunk_kda()(q, k, v, g, beta, scale=scale,
-                                    use_qk_l2norm_in_kernel=False)
+            # safe_gate=True: fla's faster intra-chunk kernel for a g bounded below, which for
+            # a precomputed g (use_gate_in_kernel=False) the caller guarantees; fla sizes it
+            # for bounds ≥ −5, K3's DECAY_LOWER_BOUND. fla's lower_bound only shapes its
+            # in-kernel gate (use_gate_in_kernel=True), which K3 does not use.
+            fla_kda = _fla_chunk_kda()
+            o, _ = fla_kda(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False,
+                           **_bounded_gate_option(fla_kda))
         else:
-            o, _ = chunk_kda(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size)
+            o, _ = chunk_kda(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size,
+                             gate_lower_bound=DECAY_LOWER_BOUND)
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x)).view(b, t, h, e)
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out

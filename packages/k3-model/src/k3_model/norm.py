@@ -13,7 +13,7 @@ class RMSNorm(nn.Module):
     weight decay) and starts at one.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
