@@ -30,6 +30,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("distributed", "bench_distributed.py", []),
     ("cli", "bench_cli.py", []),
     ("threads", "bench_threads.py", []),
+    ("quality", "bench_quality.py", []),
     ("gpu_check", "gpu_check.py", None),  # CUDA checks, or a CPU smoke run without CUDA
 ]
 

@@ -12,6 +12,11 @@ experts, SiTU-GLU.
 
 Override any field, e.g. ``preset("small", vocab_size=50304)`` to match a tokenizer, or
 ``preset("tiny", attention="mla")`` for an all-MLA model of equal width (RoPE, no gate).
+A dense llama-style baseline of ``tiny``'s active size is ``preset("tiny",
+attention="gqa", n_kv_heads=2, mlp="dense", activation="swiglu", d_ff=432,
+attn_res_block_size=0)``. How ``tiny`` trains against it, against all-MLA and without
+AttnRes, with its training recipe's alternatives: BENCHMARKS.md, "Training quality"
+(``hatch run bench:quality``); ``small`` inherits ``tiny``'s recipe, unmeasured.
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ class TrainConfig:
     """Tokens per sequence (at most the model's max_seq_len)."""
     gradient_accumulation_steps: int = 1
     """Microbatches summed into one optimizer update."""
-    # optimizer (one peak LR and weight decay for every group: Muon uses match_rms_adamw)
+    # optimizer (one peak LR and weight decay for every group: Muon uses match_rms_adamw).
+    # The defaults were checked against alternatives by `hatch run bench:quality` and on
+    # the tiny demo setup: BENCHMARKS.md, "Training quality".
     peak_lr: float = 3e-3
     """Peak learning rate of every parameter group (Muon's update is RMS-matched to AdamW's)."""
     weight_decay: float = 0.1
