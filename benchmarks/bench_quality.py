@@ -541,7 +541,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, scratch: Path
     print(f"throughput measured side by side in {time.perf_counter() - start:.0f} s")
     print_tables(table)
     plots = plot(done, table, scratch / "plots" if args.quick else args.plots)
-    print("\nplots: " + ", ".join(str(p) for p in plots))
+    shown = "drawn, not kept (--quick)" if args.quick else ", ".join(str(p) for p in plots)
+    print(f"\nplots: {shown}")
     if args.json:
         from common import write_json
 
