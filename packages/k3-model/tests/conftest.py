@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from k3_model import K3Config, K3Model
+
+sys.path.insert(0, str(Path(__file__).parent))  # ep_workers, for spawned processes
 
 # Small enough that a forward+backward takes milliseconds on 2 CPU cores.
 SMALL: dict[str, dict[str, Any]] = {

@@ -126,7 +126,7 @@ class Experts(nn.Module):
         # and sum each token's k expert outputs.
         unsorted = torch.empty_like(y)
         unsorted[order] = y
-        return unsorted.view(x.shape[0], k, -1).sum(dim=1)
+        return unsorted.view(x.shape[0], k, unsorted.shape[-1]).sum(dim=1)  # 0 rows too
 
     def _grouped(self, xs: Tensor, sorted_experts: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and _compute_dtype(xs) != torch.bfloat16:
