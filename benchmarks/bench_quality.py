@@ -235,6 +235,8 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
 
     curve = Curve()
     state = Trainer(model, optimizer, loaders, train, callbacks=[curve]).fit()
+    if state.step != setup.steps:  # a Ctrl-C stops the Trainer early: not a result
+        raise RuntimeError(f"{candidate.name} stopped at step {state.step} of {setup.steps}")
     final = curve.points[-1]
     params = count_parameters(config)
     return {"candidate": candidate.name, "lr": lr, "seed": seed, "steps": state.step,
@@ -360,7 +362,8 @@ def schedule(candidates: list[Candidate], setup: Setup, runs: Runs, *, workers: 
         future = pool.submit(run_one, candidate, setup, lr, seed, threads)
         pending[future] = (candidate, key)
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+    try:
         for candidate in candidates:
             for lr in list(sweeps[candidate.name]):
                 submit(candidate, lr, 0)
@@ -368,6 +371,10 @@ def schedule(candidates: list[Candidate], setup: Setup, runs: Runs, *, workers: 
             future = next(_completed(pending))
             candidate, key = pending.pop(future)
             finished(candidate, key, future.result())
+    except BaseException:  # Ctrl-C included: drop the queue, keep what is cached
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return done
 
 
@@ -498,13 +505,23 @@ def main() -> None:
     parser.add_argument("--plots", type=Path, default=HERE / "figures")
     parser.add_argument("--json")
     args = parser.parse_args()
+    unknown = sorted(set(args.only or ()) - {c.name for c in CANDIDATES})
+    if unknown:
+        known = ", ".join(repr(c.name) for c in CANDIDATES)
+        parser.error(f"--only: unknown candidate(s) {', '.join(map(repr, unknown))}; "
+                     f"known: {known}")
     if args.quick:
         args.steps, args.batch_size, args.seq_len = 4, 2, 64
     with tempfile.TemporaryDirectory(prefix="k3-quality-") as scratch:
-        run(args, parser, Path(scratch))
+        try:
+            run(args, Path(scratch))
+        except KeyboardInterrupt:
+            where = "nothing is kept (--quick)" if args.quick else f"kept in {args.out_dir}"
+            print(f"\ninterrupted; finished runs are {where}, and a rerun continues from them")
+            raise SystemExit(130) from None
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser, scratch: Path) -> None:
+def run(args: argparse.Namespace, scratch: Path) -> None:
     from k3_trainer import prepare_dataset
     from k3_trainer.data.options import PrepareOptions
 
@@ -525,9 +542,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, scratch: Path
     print(f"each run: {args.steps} steps of {args.batch_size}×{args.seq_len} tokens "
           f"({epochs:.1f} epochs of the training split)", flush=True)
     candidates = [c for c in CANDIDATES if not args.only or c.name in args.only]
-    if args.only and len(candidates) != len(args.only):
-        known = ", ".join(c.name for c in CANDIDATES)
-        parser.error(f"--only: unknown candidate(s); known: {known}")
     runs = Runs(scratch / "runs" if args.quick else args.out_dir)
     done = schedule(candidates, setup, runs, workers=args.workers, threads=args.threads,
                     default_lr=SWEEP_CENTER, quick=args.quick,
