@@ -272,9 +272,11 @@ def _fla_chunk_kda() -> Any:
     return fla_chunk_kda
 
 
+@functools.cache
 def _bounded_gate_option(fla_kda: Any) -> dict[str, bool]:
     """``{"safe_gate": True}`` where the installed fla's ``chunk_kda`` takes it (fla-core
-    0.6 does; an older one has no such argument and gets none)."""
+    0.6 does; an older one has no such argument and gets none). Read once per kernel
+    function, not on every forward."""
     parameters = inspect.signature(fla_kda).parameters.values()
     takes = any(p.name == "safe_gate" or p.kind is p.VAR_KEYWORD for p in parameters)
     return {"safe_gate": True} if takes else {}
