@@ -76,6 +76,42 @@ class WeightEMA(Callback):
         self.shadow = {name: tensor.clone() for name, tensor in state.items()}
 
 
+class HostReads(Callback):
+    """Counts the calls that copy a tensor's value to the host (and so wait for a GPU)
+    while active; :meth:`per_update` gives the count between consecutive step ends (the
+    host-resident step counters of torch's AdamW excluded, as in test_host_syncs.py)."""
+
+    READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__",
+             "__index__")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.marks: list[int] = []
+        self.host_resident: set[int] = set()
+        self.originals = {name: getattr(torch.Tensor, name) for name in self.READS}
+
+    def __enter__(self) -> "HostReads":
+        for name, original in self.originals.items():
+            def counted(tensor, *args, original=original, **kwargs):
+                if id(tensor) not in self.host_resident:
+                    self.calls += 1
+                return original(tensor, *args, **kwargs)
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, original)
+
+    def on_step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+        self.marks.append(self.calls)
+        self.host_resident.update(id(s["step"]) for s in trainer.optimizer.state.values()
+                                  if isinstance(s.get("step"), torch.Tensor))
+
+    def per_update(self) -> list[int]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
 class OverflowOnOneRank(FP16SkipHarness):
     """The FP16 skip path in fp32 with an overflow found only by this rank, at one attempt
     (as when one FSDP2 shard of a gradient holds an inf)."""
@@ -106,6 +142,10 @@ def main() -> int:
     parser.add_argument("--resume", type=Path)
     parser.add_argument("--reject-on-rank", type=int)
     parser.add_argument("--overflow-on-rank", type=int)
+    parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--count-host-reads", action="store_true",
+                        help="record the host reads of every update (HostReads)")
     args = parser.parse_args()
 
     parallel, _ = init_parallel(args.parallel, torch.device("cpu"))
@@ -114,10 +154,16 @@ def main() -> int:
     config = train_config(batch_size=args.batch_size, max_steps=args.steps,
                           decay_steps=args.decay_steps or args.steps,
                           checkpoint_interval=args.steps,
-                          eval_interval=3, qk_clip_tau=args.qk_clip_tau)
+                          qk_clip_tau=args.qk_clip_tau,
+                          expert_parallel=args.expert_parallel,
+                          gradient_accumulation_steps=args.accumulation,
+                          # counting host reads: no logging or evaluation in between
+                          **({"log_interval": args.steps, "eval_interval": args.steps}
+                             if args.count_host_reads else {"eval_interval": 3}))
     seed_all(config.seed)
     model = K3Model(NARROW_TINY_MODEL)
     if parallel is not None:
+        parallel.shard_experts(model, config.expert_parallel)
         model.set_balancer_gather(parallel.gather_rows)
         parallel.wrap(model)
     optimizer = build_optimizer(model, config, distributed=True if args.parallel == "ddp"
@@ -134,9 +180,10 @@ def main() -> int:
         # this rank's run differs from the checkpoint
         run_config = train_config(**{**config.to_dict(), "peak_lr": 1e-4})
     ema = WeightEMA() if args.ema else None
+    reads = HostReads() if args.count_host_reads else None
+    callbacks = [c for c in (log, ema, reads) if c is not None]
     trainer = Trainer(model, optimizer, loaders, run_config, parallel=parallel,
-                      checkpoint_path=args.checkpoint,
-                      callbacks=[log] if ema is None else [log, ema], grad_scaler=scaler)
+                      checkpoint_path=args.checkpoint, callbacks=callbacks, grad_scaler=scaler)
     if args.resume is not None:
         def fingerprint() -> tuple[str, ...]:
             return (tree_digest(full_state(model)), tree_digest(local(optimizer.state_dict())),
@@ -151,7 +198,13 @@ def main() -> int:
             result["unchanged"] = before == fingerprint()
             result["cursors"] = [loader.offset for loader in loaders]
     if "refused" not in result:
-        trainer.fit()
+        if reads is not None:
+            with reads:
+                trainer.fit()
+            result["host_reads_per_update"] = reads.per_update()
+            result["moe_layers"] = len(model.moe_layers())
+        else:
+            trainer.fit()
         result["events"] = [{k: v for k, v in e.items() if k != "time"} for e in log.events]
     result["weights"] = full_state(model)
     if ema is not None:

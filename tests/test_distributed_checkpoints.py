@@ -42,6 +42,9 @@ INTERVAL = 2  # checkpoints at steps 2, 4, 6
 
 def _command(parallel: str, data_dir: Path, config: Path, run_dir: Path,
              *extra: object) -> list[object]:
+    """``fsdp+ep``: FSDP2 with each MoE layer's experts split over the 2 ranks."""
+    if parallel == "fsdp+ep":
+        parallel, extra = "fsdp", ("--expert-parallel", 2, *extra)
     return ["train", "--parallel", parallel, "--data", data_dir, "--config", config,
             "--device", "cpu", "--decay-steps", STEPS, "--run-dir", run_dir, *extra]
 
@@ -82,7 +85,7 @@ def continuous(tmp_path_factory, data_dir, config):
     """``{mode: run_dir}`` of uninterrupted 2-rank runs (``k3-train --nproc`` launches
     torchrun itself)."""
     runs = {}
-    for parallel in ("ddp", "fsdp"):
+    for parallel in ("ddp", "fsdp", "fsdp+ep"):
         run_dir = tmp_path_factory.mktemp(parallel) / "continuous"
         done = _run([sys.executable, "-m", "k3_trainer.cli",
                      *_command(parallel, data_dir, config, run_dir, "--max-steps", STEPS),
@@ -92,7 +95,7 @@ def continuous(tmp_path_factory, data_dir, config):
     return runs
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp+ep"])
 def test_resume_at_the_same_world_size_is_bitwise(parallel, continuous, config, tmp_path,
                                                   data_dir):
     run_dir = tmp_path / "interrupted"
@@ -101,10 +104,12 @@ def test_resume_at_the_same_world_size_is_bitwise(parallel, continuous, config, 
     _torchrun(*cli, "--max-steps", STEPS, "--resume")
     a = _final_state(continuous[parallel], tmp_path)
     b = _final_state(run_dir, tmp_path)
-    assert a["data_parallel"] == {"mode": parallel, "world_size": 2}
+    layout = {"mode": "fsdp", "world_size": 2, "expert_parallel": 2} if parallel == "fsdp+ep" \
+        else {"mode": parallel, "world_size": 2}
+    assert a["data_parallel"] == layout
     assert a["counters"]["tokens_seen"] == STEPS * BATCH * 16
     assert_bitwise_equal(a, b)
-    if parallel == "fsdp":  # the published folder, no leftovers; the tensors are sharded
+    if parallel != "ddp":  # the published folder, no leftovers; the tensors are sharded
         link = run_dir / "checkpoint.dcp"
         assert link.is_symlink() and link.resolve().name == f"checkpoint.dcp.step-{STEPS:08d}"
         assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == [
@@ -161,6 +166,41 @@ def test_another_world_size_resumes_only_when_allowed(parallel, continuous, conf
     # One process writes the single-file form and drops the sharded one it resumed from.
     assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "checkpoint.dcp").exists()
     assert read_payload(run_dir / "checkpoint.pt")["counters"]["step"] == STEPS + 2
+
+
+def test_an_expert_parallel_run_resumes_in_another_layout_and_evaluates_in_one_process(
+        continuous, config, tmp_path, data_dir):
+    """The experts are saved under their global indices, whole-model shapes: the run
+    resumes strictly only as it ran, with --allow-runtime-change under FSDP2 without
+    expert parallelism (DCP reshards the experts), and one process evaluates it."""
+    run_dir = tmp_path / "ep"
+    shutil.copytree(continuous["fsdp+ep"], run_dir, symlinks=True)
+    shown = k3_train("inspect", run_dir)
+    assert shown.returncode == 0, shown.stderr
+    experts = json.loads((run_dir / "run.json").read_text())["model_config"]["n_experts"]
+    half = experts // 2
+    assert (f"expert layout  1 expert group(s) of 2 ranks: rank r of a group held routed "
+            f"experts [{half}·r, {half}·(r+1)) of {experts}") in shown.stdout
+    # One process reads the sharded experts whole: the logged validation loss again.
+    evaluated = k3_train("eval", "--run-dir", run_dir, "--device", "cpu")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    logged = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "eval"][-1]
+    val_loss = float(evaluated.stdout.split("val_loss ")[1].split(",")[0].split()[0])
+    assert val_loss == pytest.approx(logged["val_loss"], abs=6e-5)
+    cli = ["-m", "k3_trainer.cli", "train", "--parallel", "fsdp", "--run-dir", run_dir,
+           "--resume", "--device", "cpu", "--data", data_dir, "--max-steps", STEPS + 2,
+           "--expert-parallel", 1]  # a resume keeps the recorded degree unless told
+    strict = _torchrun(*cli, ok=False)
+    assert strict.returncode != 0 and "data_parallel" in strict.stderr
+    assert "(--parallel fsdp --nproc 2 --expert-parallel 2)" in strict.stderr
+    _torchrun(*cli, "--allow-runtime-change")
+    events = read_events(run_dir / "metrics.jsonl")
+    changed = [e for e in events if e["event"] == "runtime_changed"]
+    assert len(changed) == 1 and "data_parallel.expert_parallel" in changed[0]["changes"]
+    trained = [e for e in events if e["event"] == "train"]
+    assert [e["step"] for e in trained][-2:] == [STEPS + 1, STEPS + 2]
+    assert "moe_all_to_all_bytes_per_step" not in trained[-1]  # no expert parallelism now
+    assert trained[-1]["loss"] == pytest.approx(trained[STEPS - 1]["loss"], rel=0.2)
 
 
 def test_inspect_reads_a_sharded_checkpoint_and_verifies_every_shard(continuous, tmp_path):

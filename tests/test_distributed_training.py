@@ -55,7 +55,10 @@ def _torchrun(*args: object) -> subprocess.CompletedProcess[str]:
 
 
 def _worker(out: Path, data_dir: Path, parallel: str, *extra: object) -> list[dict]:
-    """Run tests/dist_worker.py (1 process for ``none``, else 2 ranks); per-rank results."""
+    """Run tests/dist_worker.py (1 process for ``none``, else 2 ranks); per-rank results.
+    ``fsdp+ep`` is FSDP2 with the experts split over both ranks (``--expert-parallel 2``)."""
+    if parallel == "fsdp+ep":
+        parallel, extra = "fsdp", ("--expert-parallel", 2, *extra)
     args = [TESTS / "dist_worker.py", "--parallel", parallel, "--data", data_dir,
             "--out", out, "--steps", STEPS, "--qk-clip-tau", TAU, *extra]
     if parallel == "none":
@@ -92,7 +95,7 @@ def test_each_rank_reads_its_rows_of_the_one_process_batch(data_dir):
 
 @distributed
 @needs_torchrun
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp+ep"])
 def test_two_ranks_match_one_process_and_agree(parallel, one_process, tmp_path, data_dir):
     ranks = _worker(tmp_path, data_dir, parallel)
     ours, reference = _train_events(ranks[0]), _train_events(one_process)
@@ -113,6 +116,32 @@ def test_two_ranks_match_one_process_and_agree(parallel, one_process, tmp_path, 
                                       for n, b in ranks[0]["biases"].items())
     qk = [{k: v for k, v in e.items() if k.startswith("qk_")} for e in _train_events(ranks[1])]
     assert qk == [{k: v for k, v in e.items() if k.startswith("qk_")} for e in ours]
+    # Expert parallelism moves tokens (and only then is the traffic reported).
+    moved = [e.get("moe_all_to_all_bytes_per_step") for e in ours]
+    if parallel == "fsdp+ep":
+        assert all(m > 0 for m in moved) and all(e["moe_dropped_tokens"] == 0 for e in ours)
+    else:
+        assert moved == [None] * len(ours)
+
+
+@distributed
+@needs_torchrun
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_expert_parallel_adds_one_host_read_per_moe_layer_and_microbatch(
+        accumulation, tmp_path, data_dir):
+    """The data-parallel update reads the host ``accumulation + 2`` times at most (the
+    finite-loss check per microbatch, the norm, the scaler); expert parallelism adds the
+    split sizes, one read per MoE layer per forward: ``accumulation·(1 + layers) + 2``."""
+    ranks = _worker(tmp_path, data_dir, "fsdp+ep", "--count-host-reads",
+                    "--accumulation", accumulation)
+    layers = ranks[0]["moe_layers"]
+    assert layers >= 1
+    for rank in ranks:
+        reads = rank["host_reads_per_update"]
+        assert len(reads) == STEPS - 1
+        assert max(reads) <= accumulation * (1 + layers) + 2, reads
+        # ...and they are really there: at least one per layer and microbatch.
+        assert min(reads) >= accumulation * (1 + layers), reads
 
 
 @distributed

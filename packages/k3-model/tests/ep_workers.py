@@ -12,18 +12,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from conftest import small_config, tokens
 
 from k3_model import K3Model
-from k3_model.expert_parallel import shard_experts
+from k3_model.expert_parallel import (
+    expert_mesh,
+    pop_moved_bytes,
+    reduce_gradients,
+    shard_experts,
+)
 from k3_model.moe import MoE
 
 BATCH, SEQ = 4, 16
 
 
-def build(_first_two_experts: bool = False, **overrides):
+def build(config, _first_two_experts: bool = False):
+    """The fp64 model every rank (and the one-process reference) starts from. ``config``
+    comes from the test (the conftest helpers are not importable under that name in a
+    spawned child when several packages' suites run together)."""
     torch.manual_seed(0)
-    config = small_config("k3", n_experts=4, moe_top_k=2, **overrides)
     model = K3Model(config).double()
     if _first_two_experts:  # a selection bias no sigmoid score can overcome
         for layer in model.modules():
@@ -33,7 +39,7 @@ def build(_first_two_experts: bool = False, **overrides):
 
 
 def batch():
-    return tokens(b=BATCH, t=SEQ + 1, seed=3)
+    return torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
 
 
 def record_routing(model) -> dict:
@@ -58,22 +64,24 @@ def gather_rows(t):
     return torch.cat(parts)
 
 
-def worker(rank: int, world: int, init: str, out: str, overrides: dict) -> None:
+def worker(rank: int, world: int, init: str, out: str, config, first_two: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        model = build(**overrides)
+        model = build(config, first_two)
         model.set_balancer_gather(gather_rows)
-        shard_experts(model)
+        shard_experts(model, expert_mesh(world, world, "cpu"))
         chosen = record_routing(model)
         data = batch()
         rows = data[rank * BATCH // world:(rank + 1) * BATCH // world]
         _, loss = model(rows[:, :-1], targets=rows[:, 1:])
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        reduce_gradients(model)  # the data-parallel mean: divided by the world size
+        grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                 for n, p in model.named_parameters() if p.grad is not None}
         biases = {n: m.balancer.bias.clone() for n, m in model.named_modules()
                   if isinstance(m, MoE)}
-        torch.save({"loss": loss.detach(), "grads": grads, "chosen": chosen, "biases": biases,
+        torch.save({"loss": loss.detach(), "grads": grads, "moved": pop_moved_bytes(model), "chosen": chosen, "biases": biases,
                     "experts": {n: (m.experts.first, m.experts.per_rank)
                                 for n, m in model.named_modules() if isinstance(m, MoE)}},
                    Path(out) / f"rank{rank}.pt")

@@ -24,9 +24,20 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without d
 WORLD, TIMEOUT_S = 2, 120
 
 
-def _spawn(tmp_path: Path, overrides: dict) -> list[dict]:
+@pytest.fixture
+def ep_config(make_config):
+    """The small K3 hybrid with 4 experts, top-2 (2 per rank), with overrides."""
+    def config(overrides: dict):
+        return make_config("k3", n_experts=4, moe_top_k=2,
+                           **{k: v for k, v in overrides.items() if not k.startswith("_")})
+    return config
+
+
+def _spawn(tmp_path: Path, config, overrides: dict) -> list[dict]:
+    first_two = overrides.get("_first_two_experts", False)
     ctx = mp.start_processes(ep_workers.worker,
-                             args=(WORLD, str(tmp_path / "init"), str(tmp_path), overrides),
+                             args=(WORLD, str(tmp_path / "init"), str(tmp_path),
+                                   config, first_two),
                              nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=1):
@@ -37,8 +48,8 @@ def _spawn(tmp_path: Path, overrides: dict) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def _one_process(overrides: dict):
-    model = ep_workers.build(**overrides)
+def _one_process(config, overrides: dict):
+    model = ep_workers.build(config, overrides.get("_first_two_experts", False))
     chosen = ep_workers.record_routing(model)
     data = ep_workers.batch()
     _, loss = model(data[:, :-1], targets=data[:, 1:])
@@ -46,8 +57,8 @@ def _one_process(overrides: dict):
     return model, loss.detach(), chosen
 
 
-def _compare(ranks: list[dict], overrides: dict) -> None:
-    model, loss, chosen = _one_process(overrides)
+def _compare(ranks: list[dict], config, overrides: dict) -> None:
+    model, loss, chosen = _one_process(config, overrides)
     # The loss over the global batch: the mean of the ranks' (equal-sized) halves. The
     # router and the residual reads compute in fp32 by design, and a matmul over half the
     # rows may round differently there: fp32-level agreement, not fp64's.
@@ -59,35 +70,47 @@ def _compare(ranks: list[dict], overrides: dict) -> None:
         assert torch.equal(torch.cat([r["chosen"][name][0] for r in ranks]), chosen[name][0])
         for r in ranks:
             assert torch.equal(r["biases"][name], layer.balancer.bias)
+    # The traffic meter: every row that crossed to the other rank, both exchanges, forward
+    # and backward (each assignment's row goes to its expert's rank and comes back).
+    width, per_rank = config.moe_width, config.n_experts // WORLD
+    for r, rank in enumerate(ranks):
+        rows = 0
+        for name in rank["chosen"]:
+            mine = rank["chosen"][name][0] // per_rank
+            other = ranks[1 - r]["chosen"][name][0] // per_rank
+            rows += int((mine != r).sum()) + int((other == r).sum())  # out + in
+        assert rank["moved"] == 2 * rows * width * 8  # fp64 rows
     full = dict(model.named_parameters())
     for rank in ranks:
         for name, grad in rank["grads"].items():
-            if ".experts.local." in name:  # summed over every rank's tokens already
-                layer = name.split(".experts.local.")[0]
+            if ".experts." in name:  # every rank's tokens, divided by the world size
+                layer = name.split(".experts.")[0]
                 first, count = rank["experts"][layer]
-                want = full[name.replace(".local.", ".")].grad[first:first + count]
-                torch.testing.assert_close(grad / WORLD, want, rtol=1e-5, atol=1e-8, msg=name)
+                want = full[name].grad[first:first + count]
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-8, msg=name)
             else:  # replicated: data parallelism would average them (fp32-level, as above)
                 mean = sum(r["grads"][name] for r in ranks) / WORLD
                 torch.testing.assert_close(mean, full[name].grad, rtol=1e-5, atol=1e-8,
                                            msg=name)
 
 
-def test_expert_parallel_equals_one_process(tmp_path):
-    ranks = _spawn(tmp_path, {})
-    expert_grads = [n for n in ranks[0]["grads"] if ".experts.local." in n]
+def test_expert_parallel_equals_one_process(tmp_path, ep_config):
+    config = ep_config({})
+    ranks = _spawn(tmp_path, config, {})
+    expert_grads = [n for n in ranks[0]["grads"] if ".experts." in n]
     assert expert_grads and ranks[0]["experts"] != ranks[1]["experts"]
-    _compare(ranks, {})
+    _compare(ranks, config, {})
 
 
-def test_a_rank_whose_experts_get_no_tokens(tmp_path):
+def test_a_rank_whose_experts_get_no_tokens(tmp_path, ep_config):
     """With the balancer frozen and biased towards experts 0 and 1 (both on rank 0), rank
     1's experts receive no row in either direction, and the result is still exact."""
     overrides = {"moe_balance": False, "_first_two_experts": True}
-    ranks = _spawn(tmp_path, overrides)
-    _compare(ranks, overrides)
+    config = ep_config(overrides)
+    ranks = _spawn(tmp_path, config, overrides)
+    _compare(ranks, config, overrides)
     for rank in ranks:
         for chosen in rank["chosen"].values():
             assert chosen[0].max() < 2  # experts 0 and 1 only
-    idle = {n: g for n, g in ranks[1]["grads"].items() if ".experts.local." in n}
+    idle = {n: g for n, g in ranks[1]["grads"].items() if ".experts." in n}
     assert idle and all(torch.count_nonzero(g) == 0 for g in idle.values())  # zero, not None

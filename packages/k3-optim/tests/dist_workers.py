@@ -171,3 +171,62 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+EXPERTS = (4, 5, 3)  # (E, out, in): a tall stack, orthogonalized transposed
+
+
+def expert_grads(steps: int) -> list[torch.Tensor]:
+    """The full (global) gradient of the expert stack at each step, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(*EXPERTS, dtype=torch.float64, generator=g) for _ in range(steps)]
+
+
+def expert_start() -> torch.Tensor:
+    return torch.randn(*EXPERTS, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(8))
+
+
+def ep_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) -> None:
+    """Muon on an expert stack sharded by expert (``Shard(0)`` on the mesh's last dim,
+    ``Replicate()`` on the first), for mesh shapes (1, world) (expert parallelism over every
+    rank) and (world, 1) (every rank a replica): this rank's slice after each run, the
+    matrices it orthogonalized and the all-to-alls the optimizer made."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    _init(rank, world, init_file)
+    try:
+        result = {}
+        for shape in ((1, world), (world, 1)):
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replica", "ep"))
+            per_rank = EXPERTS[0] // shape[1]
+            mine = slice(mesh.get_local_rank(1) * per_rank, (mesh.get_local_rank(1) + 1) * per_rank)
+            placements = [Replicate(), Shard(0)]
+            p = nn.Parameter(DTensor.from_local(expert_start()[mine].clone(), mesh, placements,
+                                                run_check=False))
+            opt = MuonAdamW([{"params": [p], "param_names": ["experts"], "use_muon": True}],
+                            **HP)
+            counts = count_ns_matrices()
+            exchanges = []
+            real = dist.all_to_all_single
+
+            def spy(*args, real=real, exchanges=exchanges, **kwargs):
+                exchanges.append(1)
+                return real(*args, **kwargs)
+
+            dist.all_to_all_single = spy
+            try:
+                for grad in expert_grads(steps):
+                    p.grad = DTensor.from_local(grad[mine].clone(), mesh, placements,
+                                                run_check=False)
+                    opt.step()
+            finally:
+                dist.all_to_all_single = real
+            result[shape] = {"slice": (mine.start, mine.stop), "local": p.to_local().clone(),
+                             "ns_matrices": sum(counts), "all_to_alls": len(exchanges),
+                             "buffer_is_dtensor": isinstance(
+                                 opt.state[p]["momentum_buffer"], DTensor)}
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -100,6 +100,34 @@ def test_fsdp2_update_equals_one_process_and_state_round_trips(tmp_path):
     assert all(r["round_trip"] == [True, True] for r in ranks)
 
 
+def test_expert_sharded_stacks_are_orthogonalized_once_where_they_live(tmp_path):
+    """Expert parallelism's stacks (Shard(0) over the expert group, Replicate() over the
+    replicas) equal the one-process update. Over an expert group each rank orthogonalizes
+    exactly its own experts with no exchange at all; over replicas each stack is
+    orthogonalized by one replica and sent to the others."""
+    ranks = _spawn(dist_workers.ep_worker, tmp_path)
+    p = torch.nn.Parameter(dist_workers.expert_start())
+    opt = MuonAdamW([{"params": [p], "use_muon": True}], **dist_workers.HP)
+    for grad in dist_workers.expert_grads(STEPS):
+        p.grad = grad.clone()
+        opt.step()
+    experts = dist_workers.EXPERTS[0]
+    sharded, replicated = (1, WORLD), (WORLD, 1)
+    for r in ranks:
+        start, stop = r[sharded]["slice"]
+        assert stop - start == experts // WORLD
+        torch.testing.assert_close(r[sharded]["local"], p.detach()[start:stop], rtol=0,
+                                   atol=1e-12)
+        assert r[sharded]["ns_matrices"] == STEPS * (experts // WORLD)  # its own experts
+        assert r[sharded]["all_to_alls"] == 0  # no other rank's expert was gathered
+        torch.testing.assert_close(r[replicated]["local"], p.detach(), rtol=0, atol=1e-12)
+        assert r[sharded]["buffer_is_dtensor"] and r[replicated]["buffer_is_dtensor"]
+    assert sorted(r[sharded]["slice"] for r in ranks) == [(0, 2), (2, 4)]
+    # Replicas: the whole stack orthogonalized once per step, on one rank of the two.
+    assert sum(r[replicated]["ns_matrices"] for r in ranks) == STEPS * experts
+    assert all(r[replicated]["all_to_alls"] > 0 for r in ranks)
+
+
 def test_owner_assignment_balances_ns_work():
     loads = [0.0, 0.0]
     owners = assign_owners([8, 8, 8, 8, 1, 1], loads)

@@ -10,6 +10,7 @@ BAD_VALUES = {
     "batch_size": [0, -1, 2.0, True, "8"],
     "seq_len": [0, 1.5],
     "gradient_accumulation_steps": [0],
+    "expert_parallel": [0, -2, 1.5, True],
     "peak_lr": [0.0, -1e-3, float("nan"), float("inf"), "1e-3"],
     "weight_decay": [-0.1, float("nan")],
     "adam_beta1": [1.0, -0.1],

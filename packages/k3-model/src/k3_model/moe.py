@@ -111,16 +111,28 @@ class Experts(nn.Module):
         _, hidden, d = self.w_gate.shape
         return all(n * dtype.itemsize % 16 == 0 for n in (hidden, d))
 
+    def weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The ``(E, out, in)`` stacks the experts compute with (an expert-parallel subclass
+        returns its rank's local slices)."""
+        return self.w_gate, self.w_up, self.w_down
+
     def forward(self, x: Tensor, experts: Tensor, gates: Tensor) -> Tensor:
         """``x`` ``(T, d)``; ``experts``/``gates`` ``(T, k)`` → ``Σ_k gate · expert(x)``."""
+        return self.mix(x, experts, gates, self.weights())
+
+    def mix(self, x: Tensor, experts: Tensor, gates: Tensor,
+            stacks: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """:meth:`forward` with the expert ids indexing ``stacks`` (``weights()`` or a
+        slice of them)."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         xs = x[order // k]
         if self.grouped_mm_applies(x):
-            y = self._grouped(xs, flat[order])
+            y = self._grouped(xs, flat[order], stacks)
         else:
-            y = self._looped(xs, torch.bincount(flat, minlength=self.n_experts).tolist())
+            counts = torch.bincount(flat, minlength=stacks[0].shape[0]).tolist()
+            y = self._looped(xs, counts, stacks)
         y = y * gates.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         # Undo the sort (a permutation: no scatter-add, so deterministic on every device)
         # and sum each token's k expert outputs.
@@ -128,37 +140,47 @@ class Experts(nn.Module):
         unsorted[order] = y
         return unsorted.view(x.shape[0], k, unsorted.shape[-1]).sum(dim=1)  # 0 rows too
 
-    def _grouped(self, xs: Tensor, sorted_experts: Tensor) -> Tensor:
+    def _grouped(self, xs: Tensor, sorted_experts: Tensor,
+                 stacks: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         if torch.compiler.is_compiling() and _compute_dtype(xs) != torch.bfloat16:
             # torch.compile's shape function for the grouped GEMM takes bf16 only (torch
             # 2.13): run it eagerly between two graphs rather than fall back to the
             # per-expert loop, whose data-dependent split sizes recompile every step.
-            return _grouped_outside_graph(self, xs, sorted_experts)
-        return self._grouped_kernel(xs, sorted_experts)
+            return _grouped_outside_graph(self, xs, sorted_experts, stacks)
+        return self._grouped_kernel(xs, sorted_experts, stacks)
 
-    def _grouped_kernel(self, xs: Tensor, sorted_experts: Tensor) -> Tensor:
+    def _grouped_kernel(self, xs: Tensor, sorted_experts: Tensor,
+                        stacks: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         dtype = _compute_dtype(xs)
-        bounds = torch.arange(1, self.n_experts + 1, device=xs.device, dtype=sorted_experts.dtype)
+        w_gate, w_up, w_down = (w.to(dtype) for w in stacks)
+        bounds = torch.arange(1, w_gate.shape[0] + 1, device=xs.device,
+                              dtype=sorted_experts.dtype)
         ends = torch.searchsorted(sorted_experts, bounds).to(torch.int32)
         xs = xs.to(dtype)
-        gate = _grouped_linear(xs, self.w_gate.to(dtype), ends)
-        up = _grouped_linear(xs, self.w_up.to(dtype), ends)
-        return _grouped_linear(glu(gate, up, self.activation), self.w_down.to(dtype), ends)
+        gate = _grouped_linear(xs, w_gate, ends)
+        up = _grouped_linear(xs, w_up, ends)
+        return _grouped_linear(glu(gate, up, self.activation), w_down, ends)
 
-    def _looped(self, xs: Tensor, counts: list[int]) -> Tensor:
+    def _looped(self, xs: Tensor, counts: list[int],
+                stacks: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        w_gate, w_up, w_down = stacks
         parts = []
         for e, xe in enumerate(torch.split(xs, counts)):
-            h = glu(F.linear(xe, self.w_gate[e]), F.linear(xe, self.w_up[e]), self.activation)
-            parts.append(F.linear(h, self.w_down[e]))
+            h = glu(F.linear(xe, w_gate[e]), F.linear(xe, w_up[e]), self.activation)
+            parts.append(F.linear(h, w_down[e]))
         return torch.cat(parts)
 
 
-def _grouped_eagerly(experts: Experts, xs: Tensor, sorted_experts: Tensor) -> Tensor:
-    return experts._grouped_kernel(xs, sorted_experts)
+Stacks = tuple[Tensor, Tensor, Tensor]
+
+
+def _grouped_eagerly(experts: Experts, xs: Tensor, sorted_experts: Tensor,
+                     stacks: Stacks) -> Tensor:
+    return experts._grouped_kernel(xs, sorted_experts, stacks)
 
 
 # A graph break: dynamo runs this between two compiled graphs, as plain eager code.
-_grouped_outside_graph: Callable[[Experts, Tensor, Tensor], Tensor] = (
+_grouped_outside_graph: Callable[[Experts, Tensor, Tensor, Stacks], Tensor] = (
     torch.compiler.disable(_grouped_eagerly))  # type: ignore[no-untyped-call]
 
 

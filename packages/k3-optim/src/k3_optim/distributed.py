@@ -8,6 +8,13 @@ brings each owner its matrices' shards of the momentum update, each owner runs t
 batched Newton–Schulz on what it owns, and a second all-to-all returns to every rank
 its rows of every orthogonalized update (all of them for a replicated parameter).
 Momentum, weight decay and the update add stay elementwise on the local shards.
+
+A stack of matrices split only along its leading (batch) dimension, as expert
+parallelism and FSDP2 split an MoE layer's ``(E, out, in)`` expert stacks, needs no
+exchange: every rank already holds whole matrices, so it orthogonalizes its own
+(:func:`batch_sharded`). Where such a stack is also replicated over one mesh dimension
+(expert-parallel slices held by several replicas), the replicas share the work through
+the same owner exchange, over that dimension's group.
 """
 
 from __future__ import annotations
@@ -78,6 +85,39 @@ def dtensor_layout(p: torch.Tensor, name: str) -> tuple[Any, Layout]:
         f"default) or replicated; {name} has placement {placement}: drop the custom "
         "shard_placement_fn for Muon parameters"
     )
+
+
+def batch_sharded(p: torch.Tensor, *, flatten: bool = False) -> bool:
+    """Whether ``p`` is a DTensor stack of matrices (3-D or more, not ``flatten``ed) placed
+    ``Shard(0)`` on some mesh dimension and ``Replicate()`` on the others: each rank's
+    local piece is then whole matrices (its experts)."""
+    if not is_dtensor(p) or p.ndim < 3 or flatten:
+        return False
+    placements = p.placements  # type: ignore[attr-defined]
+    sharded = [isinstance(q, Shard) and q.dim == 0 for q in placements]
+    return any(sharded) and all(s or isinstance(q, Replicate)
+                                for s, q in zip(sharded, placements))
+
+
+def resolve_batch_comm(params: Sequence[torch.Tensor], names: Sequence[str], *,
+                       where: str) -> tuple[Any, list[Layout]] | None:
+    """The replica group and (replicated) layouts of :func:`batch_sharded` parameters on
+    one mesh, or None when no mesh dimension replicates them (each rank orthogonalizes
+    its own matrices). Raises ``ValueError`` for meshes that replicate over more than one
+    dimension."""
+    mesh = params[0].device_mesh  # type: ignore[attr-defined]
+    for p, name in zip(params, names):
+        if p.device_mesh != mesh or p.placements != params[0].placements:  # type: ignore[attr-defined]
+            raise ValueError(f"{where}: batch-sharded Muon parameters on different meshes or "
+                             f"placements ({name}); put each layout in its own param group")
+    replicated = [d for d, q in enumerate(params[0].placements)  # type: ignore[attr-defined]
+                  if isinstance(q, Replicate) and mesh.size(d) > 1]
+    if not replicated:
+        return None
+    if len(replicated) > 1:
+        raise ValueError(f"{where}: {names[0]} is replicated over {len(replicated)} mesh "
+                         "dimensions; distributed Muon supports one")
+    return mesh.get_group(replicated[0]), [Layout(tuple(local(p).shape), None) for p in params]
 
 
 def resolve_comm(

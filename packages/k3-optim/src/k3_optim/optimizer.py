@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.optim.adamw import adamw as _torch_adamw
 
-from .distributed import distributed_orthogonalize, local, resolve_comm
+from .distributed import (
+    batch_sharded,
+    distributed_orthogonalize,
+    local,
+    resolve_batch_comm,
+    resolve_comm,
+)
 from .muon import UPDATE_SCALES, matrix_view_shape, muon_update, orthogonalize
 from .newton_schulz import CoefficientSpec, DTypeSpec, resolve_coefficients, resolve_ns_dtype
 
@@ -169,6 +175,31 @@ class MuonAdamW(torch.optim.Optimizer):
         self, index: int, group: dict[str, Any], loads: dict[int, list[float]]
     ) -> None:
         params = self._params_with_grad(index, group)
+        names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+        name_of = {id(p): n for p, n in zip(group["params"], names)}
+        # Stacks split along their batch dimension (expert parallelism) hold whole matrices
+        # on each rank: they are orthogonalized where they are, the rest as before.
+        batched = [p for p in params if batch_sharded(p, flatten=group["flatten"])]
+        meshes: dict[int, list[torch.Tensor]] = {}
+        for p in batched:
+            if local(p).numel():  # a rank with no matrix of this stack has nothing to do
+                meshes.setdefault(id(p.device_mesh), []).append(p)  # type: ignore[attr-defined]
+        rest = [p for p in params if not batch_sharded(p, flatten=group["flatten"])]
+        where = f"param group {index}"
+        if rest:
+            comm = resolve_comm(rest, [name_of[id(p)] for p in rest], where=where,
+                                distributed=self.distributed, process_group=self.process_group)
+            self._muon_update(group, rest, comm, loads, local_views=False)
+        for subset in meshes.values():
+            comm = resolve_batch_comm(subset, [name_of[id(p)] for p in subset], where=where)
+            self._muon_update(group, subset, comm, loads, local_views=True)
+
+    def _muon_update(self, group: dict[str, Any], params: list[torch.Tensor],
+                     comm: tuple[Any, Any] | None, loads: dict[int, list[float]], *,
+                     local_views: bool) -> None:
+        """Muon on ``params``: Newton–Schulz here (``comm`` None) or with one owner per
+        matrix over ``comm``'s group. ``local_views``: the matrices are this rank's local
+        pieces (batch-sharded stacks), not the global parameters."""
         bufs = []
         for p in params:
             state = self.state[p]
@@ -176,7 +207,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 # A DTensor parameter gets a DTensor buffer: momentum is sharded like it.
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(local(state["momentum_buffer"]))
-        views = [matrix_view_shape(p.shape, num_heads=group["num_heads"], flatten=group["flatten"])
+        views = [matrix_view_shape(local(p).shape if local_views else p.shape,
+                                   num_heads=group["num_heads"], flatten=group["flatten"])
                  for p in params]
         ns = functools.partial(
             orthogonalize,
@@ -185,10 +217,6 @@ class MuonAdamW(torch.optim.Optimizer):
             ns_coefficients=group["ns_coefficients"],
             ns_eps=group["ns_eps"],
         )
-        names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
-        name_of = {id(p): n for p, n in zip(group["params"], names)}
-        comm = resolve_comm(params, [name_of[id(p)] for p in params], where=f"param group {index}",
-                            distributed=self.distributed, process_group=self.process_group)
         if comm is None:
             ortho: Callable[[list[torch.Tensor]], list[torch.Tensor]] = functools.partial(
                 ns, views=views)

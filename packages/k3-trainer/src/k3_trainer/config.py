@@ -101,6 +101,8 @@ class TrainConfig:
     """torch.compile each decoder block (regional compile)."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """block: recompute each decoder block in backward, trading compute for memory."""
+    expert_parallel: int = 1
+    """Expert-parallel degree N (--parallel fsdp): each rank keeps n_experts/N routed experts."""
     # reproducibility and debugging
     seed: int = 1337
     """Seed of the model's initialization and of every random number generator."""
@@ -119,7 +121,7 @@ class TrainConfig:
                 object.__setattr__(self, "warmup_steps", min(20, self.decay_steps // 10))
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
                      "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
-                     "eval_batches", "decay_steps"):
+                     "eval_batches", "decay_steps", "expert_parallel"):
             _positive_int(self, name)
         _int(self, "warmup_steps", low=0)
         _int(self, "seed", low=0)

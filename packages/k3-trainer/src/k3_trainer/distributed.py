@@ -7,6 +7,12 @@ found-inf for the FP16 skip, a flag that is true on every rank when true on one)
 :meth:`Parallel.wrap`, which shards the model with ``fully_shard`` (each decoder block,
 then the root) or wraps it in ``DistributedDataParallel``. ``--parallel none`` never
 touches ``torch.distributed``: the one-process path stays exactly as it was.
+
+Expert parallelism (``--expert-parallel N``, FSDP2 only) is set up here too:
+:meth:`Parallel.shard_experts` gives each rank ``E/N`` routed experts of every MoE layer
+on a ``(world/N, N)`` device mesh (k3-model's :mod:`~k3_model.expert_parallel`),
+:meth:`Parallel.wrap` keeps those parameters out of ``fully_shard``, and
+:meth:`Parallel.finish_gradients` turns their gradients into the data-parallel mean.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class Parallel:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.module: nn.Module | None = None
+        self.expert_parallel = 1
+        self.expert_mesh: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -45,8 +53,55 @@ class Parallel:
         return self.rank == 0
 
     def describe(self) -> dict[str, Any]:
-        """What the run record and the checkpoint's metadata say about the parallel layout."""
-        return {"mode": self.mode, "world_size": self.world_size}
+        """What the run record and the checkpoint's metadata say about the parallel layout
+        (``expert_parallel`` only when on, so other runs' metadata stays as it was)."""
+        layout: dict[str, Any] = {"mode": self.mode, "world_size": self.world_size}
+        if self.expert_parallel > 1:
+            layout["expert_parallel"] = self.expert_parallel
+        return layout
+
+    # --- expert parallelism --------------------------------------------------------------
+
+    def shard_experts(self, model: nn.Module, degree: int) -> None:
+        """Keep ``n_experts/degree`` routed experts of every MoE layer on this rank (in
+        place, before :meth:`wrap`); ``degree`` 1 does nothing. Raises ``ConfigError`` for
+        a layout that cannot work."""
+        if degree == 1:
+            return
+        from k3_model.expert_parallel import expert_mesh, shard_experts
+        from k3_model.moe import MoE
+
+        if self.mode != "fsdp":
+            raise ConfigError(f"--expert-parallel {degree} needs --parallel fsdp: DDP offers no "
+                              "public way to keep the expert parameters out of its all-reduce")
+        if self.world_size % degree:
+            raise ConfigError(f"--expert-parallel {degree} must divide the world size "
+                              f"{self.world_size} (--nproc × nodes)")
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        if not layers:
+            raise ConfigError(f"--expert-parallel {degree}: the model has no MoE layer")
+        experts = layers[0].experts.n_experts
+        if experts % degree:
+            raise ConfigError(f"--expert-parallel {degree} must divide n_experts ({experts})")
+        self.expert_mesh = expert_mesh(self.world_size, degree, self.device.type)
+        shard_experts(model, self.expert_mesh)
+        self.expert_parallel = degree
+
+    def finish_gradients(self, model: nn.Module) -> None:
+        """After the update's last backward: the expert gradients become the mean over
+        every rank's tokens, as FSDP2 has made the others (nothing without experts)."""
+        if self.expert_parallel > 1:
+            from k3_model.expert_parallel import reduce_gradients
+
+            reduce_gradients(model)
+
+    def moved_bytes(self, model: nn.Module) -> int:
+        """Bytes this rank's expert all-to-alls sent to other ranks since the last call."""
+        if self.expert_parallel == 1:
+            return 0
+        from k3_model.expert_parallel import pop_moved_bytes
+
+        return pop_moved_bytes(model)
 
     # --- model -------------------------------------------------------------------------
 
@@ -56,10 +111,15 @@ class Parallel:
         if self.mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
+            ignored: set[nn.Parameter] = set()
+            if self.expert_parallel > 1:  # sharded by expert already, on their own mesh
+                from k3_model.expert_parallel import expert_parameters
+
+                ignored = set(expert_parameters(model))
             for block in read_contract(model).blocks():
                 if block is not model:
-                    fully_shard(block)
-            fully_shard(model)
+                    fully_shard(block, ignored_params=ignored)
+            fully_shard(model, ignored_params=ignored)
             self.module = model
         else:
             from torch.nn.parallel import DistributedDataParallel
@@ -147,6 +207,30 @@ class Parallel:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (FSDP2's
+    and expert parallelism's), whose DTensor gradients cannot meet in one foreach call:
+    each mesh's norm is reduced over its own ranks, the total clips every group. One mesh
+    or none: torch's function itself (the norm is made whole, a plain tensor)."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    meshes: dict[int, list[nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            meshes.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+    if len(meshes) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = []
+    for group in meshes.values():
+        part = get_total_norm([p.grad for p in group if p.grad is not None])
+        norms.append(part.full_tensor() if hasattr(part, "full_tensor") else part)
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    for group in meshes.values():
+        clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def init_parallel(mode: str, device: torch.device) -> tuple[Parallel | None, torch.device]:

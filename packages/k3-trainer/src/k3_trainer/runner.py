@@ -120,13 +120,18 @@ def build_trainer(resolved: Resolved, device: torch.device, parallel: Parallel |
     Data parallel: the loaders read this rank's rows, every rank initializes the same
     model from the seed, which is then sharded or replicated before the optimizer is
     built (FSDP2 parameters become DTensors; DDP asks Muon for one owner per matrix).
+    Expert parallelism slices the routed experts first, so FSDP2 leaves them alone.
     """
     config = resolved.config
     loaders = _loaders(config, resolved.model_config, resolved.data_dir, parallel)
     seed_everything(config.seed)
     model = K3Model(resolved.model_config).to(device)
     distributed: bool | None = None
+    if config.expert_parallel > 1 and parallel is None:
+        raise ConfigError(f"--expert-parallel {config.expert_parallel} needs a torchrun launch "
+                          "with --parallel fsdp (e.g. k3-train train --nproc 2 --parallel fsdp)")
     if parallel is not None:
+        parallel.shard_experts(model, config.expert_parallel)
         # Activation checkpointing and compile before sharding/wrapping (the order PyTorch
         # recommends); fit() finds them applied and leaves them be.
         prepare_model(model, config)
@@ -264,8 +269,10 @@ def _relaunch_advice(run_dir: Path, *, layout: bool) -> str:
         recorded = last.get("data_parallel")
         if not isinstance(recorded, dict):
             return "relaunch in one process as the run was (no --parallel), or "
+        degree = recorded.get("expert_parallel")
+        experts = f" --expert-parallel {degree}" if isinstance(degree, int) else ""
         return (f"relaunch as the run was launched (--parallel {recorded.get('mode')} "
-                f"--nproc {recorded.get('world_size')}), or ")
+                f"--nproc {recorded.get('world_size')}{experts}), or ")
     threads = (last.get("host") or {}).get("torch_threads")
     if isinstance(threads, int) and threads != torch.get_num_threads():
         return f"relaunch with {THREADS_ENV}={threads} as the run's last session ran, or "

@@ -27,7 +27,7 @@ from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
 from .contract import ModelContract, check_model
 from .data import DataExhausted, TokenDataLoader, check_vocab_fits
-from .distributed import Parallel
+from .distributed import Parallel, clip_grad_norm
 from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
@@ -151,7 +151,11 @@ class Trainer:
                 self.loaders.train.batch_at(self.state.fixed_batch_offset), self.device)
         self.window = TrainingWindow(self.device, precision=config.precision,
                                      flops_per_token=self.contract.flops_per_token(config.seq_len))
-        self.moe = MoEDiagnostics(self.contract, enabled=self.diagnostics)
+        parallel = self.parallel
+        self.moe = MoEDiagnostics(
+            self.contract, enabled=self.diagnostics,
+            moved_bytes=(lambda: parallel.moved_bytes(self.model))
+            if parallel is not None and parallel.expert_parallel > 1 else None)
         qk_reduce = self.parallel.max_ if self.parallel is not None else None
         compile_clock = CompileClock()
         consecutive_skips = 0
@@ -244,13 +248,14 @@ class Trainer:
             self.state.tokens_seen += y.numel() * self.world
 
         with profiler.region("train/optimizer"):
+            if self.parallel is not None:
+                self.parallel.finish_gradients(self.model)
             scaler.unscale_(self.optimizer)
             if self.parallel is not None:
                 self.parallel.sync_found_inf(scaler, self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), config.max_grad_norm or float("inf"))
-            if self.parallel is not None and hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()  # FSDP2: the norm of every rank's shards
+            # FSDP2 and expert parallelism: the norm of every rank's shards, whole.
+            norm = clip_grad_norm(list(self.model.parameters()),
+                                  config.max_grad_norm or float("inf"))
             # The update's one host read: pre-clip norm, QK observations' finiteness and
             # the scaler's found-inf, together (see _host_values).
             grad_norm, qk_nonfinite, overflow = _host_values(
@@ -319,7 +324,8 @@ class Trainer:
         with self.profiler.region("log"):
             self._event("train", step=self.state.step, tokens_seen=self.state.tokens_seen,
                         skipped_updates=self.state.skipped_updates,
-                        **self.window.summary(self.profiler), **self.moe.summary())
+                        **self.window.summary(self.profiler),
+                        **self.moe.summary(self.window.updates + self.window.skipped))
             self.window.reset(self.profiler)
 
     def evaluate(self) -> None:

@@ -22,11 +22,12 @@ from ..distributed import Parallel
 # activation checkpointing recomputes bitwise what it drops (tested). max_steps may move
 # either way as long as it stays at or above the saved step (the step limit): the schedule,
 # including the cosine horizon, must be identical, and so must `compile` (its kernels round
-# differently from eager ones).
+# differently from eager ones). The expert-parallel degree is part of the data-parallel
+# layout, which is compared (and relaxed by --allow-runtime-change) as ``data_parallel``.
 TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
     may_differ=frozenset(f"train_config.{name}" for name in (
         "max_steps", "log_interval", "eval_interval", "checkpoint_interval", "eval_batches",
-        "activation_checkpointing")),
+        "activation_checkpointing", "expert_parallel")),
     step_limit=("train_config.max_steps", "counters.step"),
 )
 
@@ -85,21 +86,27 @@ def run_metadata(contract: ModelContract, config: TrainConfig,
     }
 
 
-ONE_PROCESS = {"mode": "none", "world_size": 1}
-"""The data-parallel layout of a checkpoint that records none (a one-process run)."""
+LAYOUT_DEFAULTS = {"mode": "none", "world_size": 1, "expert_parallel": 1}
+"""The data-parallel layout fields a checkpoint does not record: a one-process run records
+no layout, a run without expert parallelism no degree."""
 
 
 def runtime_changes(loaded: k3_checkpoint.LoadedCheckpoint) -> dict[str, tuple[Any, Any]]:
-    """The accepted runtime differences, one per leaf: a one-process side of a layout
-    change (which records no layout) reads as :data:`ONE_PROCESS`."""
+    """The accepted runtime differences, one per leaf: a layout field one side does not
+    record reads as its default (:data:`LAYOUT_DEFAULTS`: one process, no expert
+    parallelism)."""
     changes: dict[str, tuple[Any, Any]] = {}
     for key in RUNTIME_METADATA:
         for path, (saved, current) in loaded.changes_under(key).items():
-            if path != "data_parallel":
+            if path == "data_parallel":
+                saved = {**LAYOUT_DEFAULTS, **(saved if isinstance(saved, dict) else {})}
+                current = {**LAYOUT_DEFAULTS, **(current if isinstance(current, dict) else {})}
+                changes.update({f"{path}.{field}": (saved[field], current[field])
+                                for field in LAYOUT_DEFAULTS if saved[field] != current[field]})
+            elif path.startswith("data_parallel."):
+                fill = LAYOUT_DEFAULTS.get(path.removeprefix("data_parallel."))
+                changes[path] = (fill if saved is k3_checkpoint.MISSING else saved,
+                                 fill if current is k3_checkpoint.MISSING else current)
+            else:
                 changes[path] = (saved, current)
-                continue
-            saved = ONE_PROCESS if saved is k3_checkpoint.MISSING else saved
-            current = ONE_PROCESS if current is k3_checkpoint.MISSING else current
-            changes.update({f"{path}.{field}": (saved.get(field), current.get(field))
-                            for field in ONE_PROCESS if saved.get(field) != current.get(field)})
     return changes

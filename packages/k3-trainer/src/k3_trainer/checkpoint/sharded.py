@@ -346,9 +346,28 @@ def describe_sharded(path: Path) -> list[str]:
              f"{_size(sum(int(e['bytes']) for e in files.values()))}, every checksum verified)"]
     for key in ("model", "optimizer"):
         lines.append(f"{key:<14} {_size(table.get(key, 0))} of tensors (sharded)")
+    lines += _expert_layout(summary.entries)
     lines += [line for line in summary.lines()
               if not line.startswith(("shards ", "checkpoint "))]
     return [summary.lines()[0], *lines]
+
+
+def _expert_layout(entries: Mapping[str, Any]) -> list[str]:
+    """The expert-parallel layout the run saved with, when it used one: which experts each
+    rank of an expert group held (the shards are keyed by global expert index, so any
+    layout reads them back)."""
+    layout, model = entries.get("data_parallel"), entries.get("model_config")
+    degree = layout.get("expert_parallel") if isinstance(layout, Mapping) else None
+    experts = model.get("n_experts") if isinstance(model, Mapping) else None
+    if not isinstance(degree, int) or not isinstance(experts, int) or degree < 2:
+        return []
+    per_rank = experts // degree
+    world = layout.get("world_size") if isinstance(layout, Mapping) else None
+    groups = f"{world // degree} expert group(s) of {degree} ranks" if isinstance(
+        world, int) else f"expert groups of {degree} ranks"
+    return [f"expert layout  {groups}: rank r of a group held routed experts "
+            f"[{per_rank}·r, {per_rank}·(r+1)) of {experts} per MoE layer; shards keyed by "
+            "global expert index (any layout resumes with --allow-runtime-change)"]
 
 
 def _tensor_bytes(folder: Path) -> dict[str, int]:
