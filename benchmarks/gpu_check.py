@@ -9,7 +9,10 @@ dtype against fp64), ``ns_throughput`` (bf16 NS TFLOP/s against a bf16 matmul; g
 at 4096²), ``optimizer_step`` (MuonAdamW vs torch's Muon+AdamW), ``kda`` (our chunk_kda
 vs flash-linear-attention's kernel: agreement, forward and forward+backward time), and
 ``train`` (the ``base`` hybrid preset, ~1 B parameters, bf16 autocast, regionally compiled
-then eager: tokens/s, MFU against the dense bf16 peak, peak memory). Results, dated, are
+then eager: tokens/s, MFU against the dense bf16 peak, peak memory), and
+``expert_parallel`` (with 2 or more GPUs: FSDP2 against FSDP2 with the experts split over
+every GPU, at equal global batch, over NCCL: step time and the expert bytes each rank
+sends per step; skipped with one GPU). Results, dated, are
 written after every measurement, so a run cut short still leaves its numbers; sections
 that would not fit in ``--time-limit`` are skipped and say so.
 
@@ -40,8 +43,9 @@ from k3_optim import MuonAdamW, newton_schulz
 # of k3_trainer.observe.window.PEAK_TFLOPS["bf16"], so this script runs with only k3-optim.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                     "A10G": 70.0, "RTX 4090": 165.0}
-SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "train")
-NEEDS_K3_MODEL = ("kda", "train")
+SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "train",
+            "expert_parallel")
+NEEDS_K3_MODEL = ("kda", "train", "expert_parallel")
 TRAIN_RESERVE_S = 200.0  # what earlier sections leave for ``train`` when it is selected
 MFU_GOAL, NS_GOAL = 0.40, 0.90
 
@@ -247,6 +251,15 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             rows.append((label, str(r.get("skipped") or r.get("error", "")).splitlines()[-1],
                          ""))
+    ep = results.get("expert_parallel", {})
+    if "step_ratio_ep_to_fsdp" in ep:
+        world = ep["world"]
+        rows.append((f"expert parallelism over {world} ranks vs FSDP2, "
+                     f"{ep['settings'].get('preset', 'tiny')} with "
+                     f"{ep['settings']['model'].get('n_experts')} experts",
+                     f"step {ep[f'ep{world}']['step_s'] * 1e3:.0f} vs "
+                     f"{ep['ep1']['step_s'] * 1e3:.0f} ms ({ep['step_ratio_ep_to_fsdp']:.3f}×), "
+                     f"expert bytes/rank/step {ep['bytes_ratio_ep_to_fsdp']:.3f}×", ""))
     for name in SECTIONS:
         section = results.get(name, {})
         if isinstance(section, dict) and ("error" in section or "skipped" in section):
@@ -270,7 +283,8 @@ def _run_section(name: str, ctx: Context) -> bool:
 
         fns: dict[str, Callable[[Context, dict[str, Any]], None]] = {
             "kda": gpu_check_k3.kda,
-            "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device))}
+            "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device)),
+            "expert_parallel": gpu_check_k3.expert_parallel}
     else:
         fns = {"ns_correctness": check_ns, "ns_throughput": ns_throughput,
                "optimizer_step": optimizer_step}

@@ -288,3 +288,80 @@ def train(ctx: Context, out: dict[str, Any], peak_tflops: float | None) -> None:
     if "step_ms" in out.get("compiled", {}) and "step_ms" in out.get("eager", {}):
         out["compiled_speedup"] = out["eager"]["step_ms"] / out["compiled"]["step_ms"]
         ctx.save()
+
+
+def _ep_worker(rank: int, world: int, port: int, data: str, settings: dict[str, Any],
+               out: str) -> None:
+    """One rank (one GPU, or a gloo CPU process in the smoke run): FSDP2, then FSDP2 with
+    the experts split over every rank, through bench_distributed's trainer loop."""
+    import json
+    import os
+    from pathlib import Path
+
+    from bench_distributed import _step_seconds
+    from k3_trainer.distributed import init_parallel, shutdown
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda" if settings["cuda"] else "cpu")
+    parallel = None
+    results: dict[str, Any] = {}
+    for degree in (1, world):
+        parallel, _ = init_parallel("fsdp", device)
+        assert parallel is not None
+        traffic: dict[str, float] = {}
+        seconds = _step_seconds(Path(data), settings, parallel, degree, traffic)
+        results[f"ep{degree}"] = {"step_s": sorted(seconds)[len(seconds) // 2],
+                                  "expert_bytes_per_step": traffic["bytes"]}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    shutdown(parallel)
+
+
+def expert_parallel(ctx: Context, out: dict[str, Any]) -> None:
+    """FSDP2 vs FSDP2 + expert parallelism over every GPU of this machine (NCCL), equal
+    global batch: median step time and the expert bytes per rank and step (FSDP2: the
+    expert stacks' all-gathers and reduce-scatter, from their size; EP: the counted token
+    all-to-alls). Smoke: 2 gloo CPU ranks, a shrunk model."""
+    import json
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    from k3_trainer import prepare_dataset
+
+    cuda = ctx.device.type == "cuda"
+    world = torch.cuda.device_count() if cuda else 2
+    if cuda and world < 2:
+        out["skipped"] = "needs 2 or more GPUs (one rank per GPU)"
+        ctx.log(f"expert_parallel: skipped: {out['skipped']}")
+        return
+    if ctx.smoke:
+        settings: dict[str, Any] = {
+            "model": dict(d_model=32, n_layers=2, n_heads=2, kv_lora_rank=16,
+                          qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_experts=4,
+                          moe_d_ff=32, d_ff=64),
+            "batch": 4, "seq_len": 32, "warmup": 1, "steps": 2}
+    else:  # the small preset with as many experts as 4 per GPU, bf16 autocast
+        settings = {"preset": "small", "model": dict(n_experts=4 * world), "batch": 8 * world,
+                    "seq_len": 1024, "warmup": 2, "steps": 5, "precision": "bf16"}
+    settings["cuda"] = cuda
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+        probe.close()
+        data = Path(tmp) / "builtin"
+        prepare_dataset([], data)
+        result = Path(tmp) / "ep.json"
+        mp.spawn(_ep_worker, args=(world, port, str(data), settings, str(result)),
+                 nprocs=world)
+        measured = json.loads(result.read_text())
+    out.update(world=world, settings={k: v for k, v in settings.items() if k != "cuda"},
+               **measured)
+    fsdp, ep = measured["ep1"], measured[f"ep{world}"]
+    out["step_ratio_ep_to_fsdp"] = ep["step_s"] / fsdp["step_s"]
+    out["bytes_ratio_ep_to_fsdp"] = ep["expert_bytes_per_step"] / fsdp["expert_bytes_per_step"]
+    ctx.log(f"expert_parallel: {world} ranks, step EP/FSDP {out['step_ratio_ep_to_fsdp']:.3f}, "
+            f"expert bytes EP/FSDP {out['bytes_ratio_ep_to_fsdp']:.3f}")

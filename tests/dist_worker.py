@@ -90,7 +90,7 @@ class HostReads(Callback):
         self.host_resident: set[int] = set()
         self.originals = {name: getattr(torch.Tensor, name) for name in self.READS}
 
-    def __enter__(self) -> "HostReads":
+    def __enter__(self) -> HostReads:
         for name, original in self.originals.items():
             def counted(tensor, *args, original=original, **kwargs):
                 if id(tensor) not in self.host_resident:

@@ -201,6 +201,14 @@ def test_an_expert_parallel_run_resumes_in_another_layout_and_evaluates_in_one_p
     assert [e["step"] for e in trained][-2:] == [STEPS + 1, STEPS + 2]
     assert "moe_all_to_all_bytes_per_step" not in trained[-1]  # no expert parallelism now
     assert trained[-1]["loss"] == pytest.approx(trained[STEPS - 1]["loss"], rel=0.2)
+    # ...and in one process (another world size) from the expert-parallel checkpoint itself.
+    alone_dir = tmp_path / "alone"
+    shutil.copytree(continuous["fsdp+ep"], alone_dir, symlinks=True)
+    alone = k3_train("train", "--run-dir", alone_dir, "--resume", "--device", "cpu", "--data",
+                     data_dir, "--max-steps", STEPS + 1, "--expert-parallel", 1,
+                     "--allow-runtime-change")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert read_payload(alone_dir / "checkpoint.pt")["counters"]["step"] == STEPS + 1
 
 
 def test_inspect_reads_a_sharded_checkpoint_and_verifies_every_shard(continuous, tmp_path):
@@ -285,3 +293,37 @@ def test_a_failed_checkpoint_write_stops_every_rank(parallel, config, tmp_path, 
     assert "Traceback" not in "\n".join(line for line in failed.stderr.splitlines()
                                         if line.startswith("[rank"))
     assert find_checkpoint(run_dir) is None
+
+
+def test_a_two_node_torchrun_launch_trains_the_same_run(continuous, config, tmp_path, data_dir):
+    """The multi-node launch the README shows, with both "nodes" on this machine: two
+    torchrun agents (``--nnodes 2 --node-rank 0|1 --rdzv-endpoint``), one process each,
+    train the expert-parallel run that ``--nproc 2`` trains on one node, bitwise."""
+    import socket
+    import subprocess
+
+    from harness import kill_tree, subprocess_env
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "two-nodes"
+    cli = [str(a) for a in _command("fsdp+ep", data_dir, config, run_dir, "--max-steps", STEPS)]
+    nodes = [subprocess.Popen(
+        [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "k3_trainer.cli", *cli],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+        start_new_session=True) for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                kill_tree(node.pid)
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["sessions"][-1]["data_parallel"] == {"mode": "fsdp", "world_size": 2,
+                                                        "expert_parallel": 2}
+    assert_bitwise_equal(_final_state(continuous["fsdp+ep"], tmp_path),
+                         _final_state(run_dir, tmp_path))

@@ -167,6 +167,30 @@ def test_parallel_none_refuses_a_torchrun_launch_and_ddp_needs_one(tmp_path, dat
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@distributed
+@needs_torchrun
+def test_an_impossible_expert_parallel_layout_is_refused_before_anything_is_written(
+        tmp_path, data_dir):
+    base = ["train", "--data", data_dir, "--device", "cpu", "--max-steps", 1]
+    alone = k3_train(*base, "--run-dir", tmp_path / "alone", "--expert-parallel", 2)
+    assert alone.returncode == 2
+    assert "--expert-parallel 2 needs a torchrun launch with --parallel fsdp" in alone.stderr
+    for mode, degree, message in (
+            ("ddp", 2, "--expert-parallel 2 needs --parallel fsdp"),
+            ("fsdp", 3, "--expert-parallel 3 must divide the world size 2")):
+        run_dir = tmp_path / f"{mode}{degree}"
+        launched = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m",
+                         "k3_trainer.cli", *base, "--run-dir", run_dir, "--parallel", mode,
+                         "--expert-parallel", degree])
+        assert launched.returncode != 0
+        assert f"k3-train[rank 0]: error: {message}" in launched.stderr, launched.stderr[-2000:]
+        # One line per rank, no rank's traceback (torchrun prints its own summary).
+        assert "Traceback" not in "\n".join(line for line in launched.stderr.splitlines()
+                                            if line.startswith("[rank"))
+        assert not run_dir.exists()
+    assert not (tmp_path / "alone").exists()
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the tree from /proc")
 def test_a_timed_out_launch_takes_the_ranks_in_their_own_sessions_with_it(tmp_path):
     """What torchrun does: each "rank" in a session of its own. The timeout must reach it

@@ -179,6 +179,7 @@ def test_dataset_smaller_than_one_batch_is_refused(tmp_path, small_toml, capsys,
 NAN, INF = math.nan, math.inf
 INVALID_VALUES = [
     ("batch_size", 0), ("batch_size", -4), ("seq_len", 0), ("gradient_accumulation_steps", 0),
+    ("expert_parallel", 0),
     ("peak_lr", 0.0), ("peak_lr", -1e-3), ("peak_lr", NAN), ("peak_lr", INF),
     ("weight_decay", -0.1), ("weight_decay", NAN), ("adam_beta1", 1.0), ("adam_beta1", -0.1),
     ("adam_beta2", 1.5), ("adam_eps", -1e-8), ("adam_eps", INF), ("muon_momentum", 1.0),

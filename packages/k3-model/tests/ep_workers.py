@@ -81,7 +81,8 @@ def worker(rank: int, world: int, init: str, out: str, config, first_two: bool) 
                  for n, p in model.named_parameters() if p.grad is not None}
         biases = {n: m.balancer.bias.clone() for n, m in model.named_modules()
                   if isinstance(m, MoE)}
-        torch.save({"loss": loss.detach(), "grads": grads, "moved": pop_moved_bytes(model), "chosen": chosen, "biases": biases,
+        torch.save({"loss": loss.detach(), "grads": grads, "moved": pop_moved_bytes(model),
+                    "chosen": chosen, "biases": biases,
                     "experts": {n: (m.experts.first, m.experts.per_rank)
                                 for n, m in model.named_modules() if isinstance(m, MoE)}},
                    Path(out) / f"rank{rank}.pt")
