@@ -146,8 +146,10 @@ def test_expert_parallel_adds_one_host_read_per_moe_layer_and_microbatch(
 
 @distributed
 @needs_torchrun
-def test_an_overflow_found_by_one_rank_skips_the_update_on_every_rank(tmp_path, data_dir):
-    ranks = _worker(tmp_path, data_dir, "fsdp", "--overflow-on-rank", 1)
+@pytest.mark.parametrize("parallel", ["fsdp", "fsdp+ep"])
+def test_an_overflow_found_by_one_rank_skips_the_update_on_every_rank(parallel, tmp_path,
+                                                                      data_dir):
+    ranks = _worker(tmp_path, data_dir, parallel, "--overflow-on-rank", 1)
     for result in ranks:  # attempt 2 skipped everywhere; steps 1..STEPS still all done
         overflows = [e for e in result["events"] if e["event"] == "overflow"]
         assert [e["step"] for e in overflows] == [2]
