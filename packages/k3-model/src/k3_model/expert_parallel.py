@@ -113,7 +113,7 @@ class ShardedExperts(Experts):
         if not self.training:
             return
         others = sum(splits) - splits[self.rank]
-        self.moved_bytes += others * rows[0].numel() * rows.element_size() if others else 0
+        self.moved_bytes += others * rows.shape[1:].numel() * rows.element_size()
 
     # Eager between compiled graphs: the split sizes are host values by design.
     @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -189,12 +189,13 @@ def reduce_gradients(model: nn.Module) -> None:
     its slice (one all-reduce of all of them) and divide by the world size (the mesh's
     size), as FSDP2 and DDP average the other parameters. Call once per update, after the
     last backward and before unscaling, clipping or stepping."""
+    layers = sharded_experts(model)
     grads: list[Tensor] = [p.grad.to_local()  # type: ignore[attr-defined]
-                           for m in sharded_experts(model)
-                           for p in m.parameters(recurse=False) if p.grad is not None]
+                           for m in layers for p in m.parameters(recurse=False)
+                           if p.grad is not None]
     if not grads:
         return
-    mesh = sharded_experts(model)[0].mesh
+    mesh = layers[0].mesh
     if mesh.ndim > 1 and mesh.size(0) > 1:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=mesh.get_group(0))

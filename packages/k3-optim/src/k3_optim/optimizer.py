@@ -179,12 +179,13 @@ class MuonAdamW(torch.optim.Optimizer):
         name_of = {id(p): n for p, n in zip(group["params"], names)}
         # Stacks split along their batch dimension (expert parallelism) hold whole matrices
         # on each rank: they are orthogonalized where they are, the rest as before.
-        batched = [p for p in params if batch_sharded(p, flatten=group["flatten"])]
+        rest: list[torch.Tensor] = []
         meshes: dict[int, list[torch.Tensor]] = {}
-        for p in batched:
-            if local(p).numel():  # a rank with no matrix of this stack has nothing to do
+        for p in params:
+            if not batch_sharded(p, flatten=group["flatten"]):
+                rest.append(p)
+            elif local(p).numel():  # a rank with no matrix of this stack has nothing to do
                 meshes.setdefault(id(p.device_mesh), []).append(p)  # type: ignore[attr-defined]
-        rest = [p for p in params if not batch_sharded(p, flatten=group["flatten"])]
         where = f"param group {index}"
         if rest:
             comm = resolve_comm(rest, [name_of[id(p)] for p in rest], where=where,

@@ -45,7 +45,6 @@ class Parallel:
         self.world_size = dist.get_world_size()
         self.module: nn.Module | None = None
         self.expert_parallel = 1
-        self.expert_mesh: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -83,8 +82,7 @@ class Parallel:
         experts = layers[0].experts.n_experts
         if experts % degree:
             raise ConfigError(f"--expert-parallel {degree} must divide n_experts ({experts})")
-        self.expert_mesh = expert_mesh(self.world_size, degree, self.device.type)
-        shard_experts(model, self.expert_mesh)
+        shard_experts(model, expert_mesh(self.world_size, degree, self.device.type))
         self.expert_parallel = degree
 
     def finish_gradients(self, model: nn.Module) -> None:

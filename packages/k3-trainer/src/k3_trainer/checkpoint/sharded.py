@@ -357,12 +357,13 @@ def _expert_layout(entries: Mapping[str, Any]) -> list[str]:
     rank of an expert group held (the shards are keyed by global expert index, so any
     layout reads them back)."""
     layout, model = entries.get("data_parallel"), entries.get("model_config")
-    degree = layout.get("expert_parallel") if isinstance(layout, Mapping) else None
-    experts = model.get("n_experts") if isinstance(model, Mapping) else None
+    if not isinstance(layout, Mapping) or not isinstance(model, Mapping):
+        return []
+    degree, experts = layout.get("expert_parallel"), model.get("n_experts")
     if not isinstance(degree, int) or not isinstance(experts, int) or degree < 2:
         return []
     per_rank = experts // degree
-    world = layout.get("world_size") if isinstance(layout, Mapping) else None
+    world = layout.get("world_size")
     groups = f"{world // degree} expert group(s) of {degree} ranks" if isinstance(
         world, int) else f"expert groups of {degree} ranks"
     return [f"expert layout  {groups}: rank r of a group held routed experts "
