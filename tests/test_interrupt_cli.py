@@ -125,6 +125,36 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
                          read_payload(run / "checkpoint.pt"))
 
 
+@distributed
+@needs_torchrun
+def test_ctrl_c_on_a_nproc_launch_saves_and_exits_130(tmp_path, data_dir, small_toml):
+    """Ctrl-C in a terminal reaches the whole foreground group: the ``--nproc`` launcher,
+    torchrun and both ranks (here with the experts split over them). The ranks stop at one
+    step and save there; the launcher waits for them instead of dying with a traceback,
+    and exits 130."""
+    import os
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", str(run),
+               *_flags(data_dir, small_toml), "--max-steps", "400", "--decay-steps", "400",
+               "--parallel", "fsdp", "--expert-parallel", "2", "--batch-size", "2",
+               "--nproc", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=subprocess_env(), start_new_session=True)
+    deadline = time.monotonic() + 300
+    while _trained_steps(run) < 2:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err[-3000:]
+    step = read_payload(run / "checkpoint.dcp" / "k3.ckpt")["counters"]["step"]
+    assert 2 <= step < 400
+    assert f"k3-train[rank 0]: interrupted at step {step}; checkpoint saved" in err
+    assert "KeyboardInterrupt" not in err  # the launcher waited for its ranks
+
+
 def _rank_pid(parent: int, rank: int) -> int:
     """The pid of torchrun's worker ``rank`` (its environment names the rank)."""
     for child in Path("/proc").glob("[0-9]*"):

@@ -201,7 +201,8 @@ def reduce_gradients(model: nn.Module) -> None:
         dist.all_reduce(flat, group=mesh.get_group(0))
         for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
             g.copy_(part.view_as(g))
-    torch._foreach_div_(grads, float(mesh.size()))
+    for g in grads:
+        g.div_(mesh.size())
 
 
 def pop_moved_bytes(model: nn.Module) -> int:

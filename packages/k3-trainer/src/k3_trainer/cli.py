@@ -13,6 +13,7 @@ signal ends it at once, the previous checkpoint intact).
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -221,7 +222,12 @@ def _device(name: str) -> torch.device:
 
 def _launch(nproc: int, argv: list[str]) -> int:
     """``k3-train train --nproc N``: rerun the same command under torchrun (without
-    ``--nproc``); torchrun's status is this command's."""
+    ``--nproc``); torchrun's status is this command's.
+
+    Ctrl-C reaches torchrun and its ranks as well (one process group): the ranks stop at
+    the next update boundary and save, so this process keeps waiting for them rather than
+    dying of ``KeyboardInterrupt`` with a traceback while they still write, and exits 130
+    as a one-process session does (torchrun itself reports the signal as a failure)."""
     rest, skip = [], False
     for arg in argv:
         if skip:
@@ -230,7 +236,15 @@ def _launch(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not arg.startswith("--nproc="):
             rest.append(arg)
-    return subprocess.call(torchrun_command(nproc, rest))
+    interrupted = False
+    with subprocess.Popen(torchrun_command(nproc, rest)) as torchrun:
+        while True:
+            try:
+                status = torchrun.wait()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+    return 128 + signal.SIGINT if interrupted and status else status
 
 
 def main(argv: list[str] | None = None) -> int:
