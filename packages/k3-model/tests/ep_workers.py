@@ -86,5 +86,7 @@ def worker(rank: int, world: int, init: str, out: str, config, first_two: bool) 
                     "experts": {n: (m.experts.first, m.experts.per_rank)
                                 for n, m in model.named_modules() if isinstance(m, MoE)}},
                    Path(out) / f"rank{rank}.pt")
+        dist.barrier()  # both ranks done before gloo is torn down (a peer leaving early
+        # while the other finishes its last exchange can abort that one)
     finally:
         dist.destroy_process_group()

@@ -228,5 +228,8 @@ def ep_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) -
                              "buffer_is_dtensor": isinstance(
                                  opt.state[p]["momentum_buffer"], DTensor)}
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        # Both ranks done before gloo is torn down: a rank that leaves while its peer
+        # still finishes the last exchange can abort it (seen once in CI, SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
