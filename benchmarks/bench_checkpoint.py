@@ -1,15 +1,15 @@
-"""k3-checkpoint save and load+validate time against plain torch.save / torch.load.
+"""k3-checkpoint save, load+validate and resume memory against plain torch.save / torch.load.
 
-Both sides handle the same model and AdamW state dicts in one process, interleaved (the order
-alternates every repeat), from the page cache. The table gives medians, the ratio of medians
-and the min-max of the per-repeat ratios. The candidate's save includes fsync of the file and
-the directory, so its target is against ``torch.save + fsync``; a plain ``torch.save`` row
-shows what the durability costs. The load target is against torch.load plus load_state_dict
-into the model and optimizer, the work load_checkpoint also does (torch.load alone is shown
-for reference). Those rows repeat loads in one process; a real resume loads once, in a new
-process, so the "resume, fresh process" rows time exactly that, one subprocess per
-measurement, with the peak resident memory each side adds. A last table times checksum
-candidates over the large file.
+One table. Both sides handle the same model and AdamW state dicts in one process, interleaved
+(the order alternates every repeat), from the page cache; a row gives the medians, the ratio
+of medians and the min-max of the per-repeat ratios. The candidate's save includes fsync of
+the file and the directory, so its target is against ``torch.save + fsync``; the load target
+is against torch.load plus load_state_dict into the model and optimizer, the work
+load_checkpoint also does. Rows without a target show where the cost goes: the price of
+durability, the verified payload alone, the checksum hashed before ``torch.load`` against
+beside it (the payload size from which load_checkpoint overlaps them), a resume in a fresh
+process (one subprocess per measurement, where every page is a first touch) with the peak
+resident memory each side adds, and checksum algorithms over the large file.
 
     python benchmarks/bench_checkpoint.py            # small and large state, 9 repeats
     python benchmarks/bench_checkpoint.py --quick    # small state, 3 repeats (smoke test)
@@ -37,6 +37,7 @@ import xxhash
 from torch import nn
 
 from k3_checkpoint import load_checkpoint, read_payload, save_checkpoint
+from k3_checkpoint import payload as payload_module
 
 TARGET = 1.15  # save vs torch.save + fsync; load+validate vs torch.load + load_state_dict
 MEMORY_TARGET = 1.10  # a fresh resume's peak memory vs torch.load + load_state_dict's
@@ -92,6 +93,17 @@ class State:
         loaded = torch.load(path, weights_only=True)
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def mmap_resume(self, path: Path, copy: bool) -> None:
+        """torch.load(mmap=True), the alternative k3-checkpoint turned down: the optimizer
+        state either keeps views of the mapping or, with ``copy``, is copied out of it."""
+        loaded = torch.load(path, mmap=True, weights_only=True)
+        optimizer = loaded["optimizer"]
+        if copy:
+            state = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer["state"].items()}
+            optimizer = {**optimizer, "state": state}
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(optimizer)
 
     def k3_resume(self, path: Path) -> None:
         load_checkpoint(path, **self.k3_kwargs())  # type: ignore[arg-type]
@@ -188,40 +200,62 @@ def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, 
     def k3_read() -> None:
         read_payload(k3_path)
 
+    def hashed(overlap: bool) -> Callable[[], None]:
+        def read() -> None:
+            default = payload_module.OVERLAP_FROM
+            payload_module.OVERLAP_FROM = 0 if overlap else 1 << 62
+            try:
+                read_payload(k3_path)
+            finally:
+                payload_module.OVERLAP_FROM = default
+
+        return read
+
     plain_save()
     k3_save()
     size = f"{k3_path.stat().st_size / 2**20:.1f} MiB"
-    rows = [  # (operation, baseline, baseline fn, candidate fn, judged against TARGET)
-        ("save", "torch.save", plain_save, k3_save, False),
+    rows = [  # (measure, baseline, baseline fn, candidate fn, judged against TARGET)
         (
-            "save",
+            "save ms",
             "torch.save + fsync",
             lambda: fsynced_torch_save(state.plain_state(), plain_path),
             k3_save,
             True,
         ),
-        ("load+validate", "torch.load", plain_load, k3_load, False),
-        ("load+validate", "torch.load + load_state_dict", plain_resume, k3_load, True),
-        ("read_payload", "torch.load", plain_load, k3_read, False),
-    ]
+        ("save ms", "torch.save", plain_save, k3_save, False),
+        ("load+validate ms", "torch.load + load_state_dict", plain_resume, k3_load, True),
+        ("load+validate ms", "torch.load", plain_load, k3_load, False),
+        ("read_payload ms", "torch.load", plain_load, k3_read, False),
+        ("read_payload ms, hashed beside torch.load", "hashed before it", hashed(False),
+         hashed(True), False),
+    ]  # fmt: skip
     table: list[tuple[str, ...]] = []
-    for operation, baseline_name, baseline, candidate, judged in rows:
+    for measure, baseline_name, baseline, candidate, judged in rows:
         base, cand, ratio, low, high = compare(repeats, baseline, candidate)
-        verdict = ("met" if ratio <= TARGET else "missed") if judged else "-"
         table.append(
-            (state.name, size, operation, f"vs {baseline_name}", f"{base * 1e3:.1f}",
-             f"{cand * 1e3:.1f}", f"{ratio:.2f}x", f"{low:.2f}-{high:.2f}", verdict)
+            (state.name, size, measure, baseline_name, f"{base * 1e3:.1f}",
+             f"{cand * 1e3:.1f}", f"{ratio:.2f}x", f"{low:.2f}-{high:.2f}",
+             verdict(ratio, TARGET) if judged else "-")
         )  # fmt: skip
     return table
 
 
+def verdict(ratio: float, target: float) -> str:
+    return f"<= {target}x {'met' if ratio <= target else 'missed'}"
+
+
 def resume_once(kind: str, name: str, directory: Path) -> tuple[float, float]:
-    """One resume in this (fresh) process: ``plain`` is torch.load plus load_state_dict of the
-    model and optimizer, ``k3`` is load_checkpoint. Returns the seconds it took and the peak
-    resident memory it added (MiB above the resident size before it; NaN off Linux)."""
+    """One resume in this (fresh) process, one of ``RESUMES``. Returns the seconds it took
+    and the peak resident memory it added (MiB above the resident size before it; NaN off
+    Linux)."""
     state = build(name, *SIZES[name], trained=False)
-    resume = state.plain_resume if kind == "plain" else state.k3_resume
-    path = directory / f"{name}.{'pt' if kind == 'plain' else 'k3'}"
+    resume: Callable[[Path], None] = {
+        "plain": state.plain_resume,
+        "k3": state.k3_resume,
+        "mmap": lambda path: state.mmap_resume(path, copy=False),
+        "mmap-copy": lambda path: state.mmap_resume(path, copy=True),
+    }[kind]
+    path = directory / f"{name}.{'k3' if kind == 'k3' else 'pt'}"
     gc.collect()
     before = _resident_mib()
     start = time.perf_counter()
@@ -255,50 +289,71 @@ def _status_mib(field: str) -> float:
     raise ValueError(f"no {field} in /proc/self/status")
 
 
+RESUMES = {  # kind: what the fresh-process rows call it
+    "plain": "torch.load + load_state_dict",
+    "k3": "load_checkpoint",
+    "mmap": "torch.load(mmap=True), optimizer state left mapped",
+    "mmap-copy": "torch.load(mmap=True), optimizer state copied",
+}
+
+
 def bench_fresh_resume(
-    name: str, repeats: int, directory: Path
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    name: str, repeats: int, directory: Path, kinds: tuple[str, ...] = ("plain", "k3")
+) -> list[tuple[str, ...]]:
     """A resume as it happens: once, in a new process, into memory it has never used (every
-    page of the loaded state is a first touch). One subprocess per measurement, interleaved.
-    Returns the timing row and a memory row (median peak MiB added by each side)."""
-    times: dict[str, list[float]] = {"plain": [], "k3": []}
-    peaks: dict[str, list[float]] = {"plain": [], "k3": []}
-    for repeat in range(repeats + 1):  # the first pair warms the page cache and is dropped
-        for kind in ("plain", "k3") if repeat % 2 == 0 else ("k3", "plain"):
+    page of the loaded state is a first touch). One subprocess per measurement, in an order
+    that rotates every repeat. Rows: load_checkpoint's time and peak memory against torch's,
+    then the peak memory of each other kind."""
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    peaks: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for repeat in range(repeats + 1):  # the first round warms the page cache and is dropped
+        turn = repeat % len(kinds)
+        for kind in kinds[turn:] + kinds[:turn]:
             command = [sys.executable, __file__, "--resume-once", kind, name, str(directory)]
             output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             seconds, peak = map(float, output.split()[-2:])
             if repeat:
                 times[kind].append(seconds)
                 peaks[kind].append(peak)
-    base, cand = statistics.median(times["plain"]), statistics.median(times["k3"])
-    ratios = sorted(k / b for b, k in zip(times["plain"], times["k3"]))
-    ratio = cand / base
-    verdict = "met" if ratio <= TARGET else "missed"
     size = f"{(directory / f'{name}.k3').stat().st_size / 2**20:.1f} MiB"
-    timing = (name, size, "resume, fresh process", "vs torch.load + load_state_dict",
-              f"{base * 1e3:.1f}", f"{cand * 1e3:.1f}", f"{ratio:.2f}x",
-              f"{ratios[0]:.2f}-{ratios[-1]:.2f}", verdict)  # fmt: skip
-    plain_peak, k3_peak = statistics.median(peaks["plain"]), statistics.median(peaks["k3"])
-    memory = (name, size, f"{plain_peak:.0f}", f"{k3_peak:.0f}",
-              "met" if k3_peak <= MEMORY_TARGET * plain_peak else "missed")  # fmt: skip
-    return timing, memory
+    measures = [("resume ms, fresh process", times, "k3", 1e3, ".1f", None)]
+    measures += [
+        (f"resume peak MiB added, fresh process{'' if kind == 'k3' else ', ' + RESUMES[kind]}",
+         peaks, kind, 1.0, ".0f", MEMORY_TARGET if kind == "k3" else None)
+        for kind in kinds[1:]
+    ]  # fmt: skip
+    rows = []
+    for measure, values, kind, scale, form, target in measures:
+        base, cand = statistics.median(values["plain"]), statistics.median(values[kind])
+        ratios = sorted(k / b for b, k in zip(values["plain"], values[kind]))
+        rows.append(
+            (name, size, measure, RESUMES["plain"], f"{base * scale:{form}}",
+             f"{cand * scale:{form}}", f"{cand / base:.2f}x",
+             f"{ratios[0]:.2f}-{ratios[-1]:.2f}", verdict(cand / base, target) if target else "-")
+        )  # fmt: skip
+    return rows
 
 
-def checksum_rates(path: Path, repeats: int) -> list[tuple[str, ...]]:
+def checksum_rates(name: str, path: Path, repeats: int) -> list[tuple[str, ...]]:
+    """Checksum algorithms over the file in memory, each against torch.load of the state."""
     data = memoryview(path.read_bytes())
+    size = f"{data.nbytes / 2**20:.1f} MiB"
+
+    def load() -> None:
+        torch.load(path.with_suffix(".pt"), weights_only=True)
+
     rows: list[tuple[str, ...]] = []
-    for name, function in (
+    for algorithm, function in (
         ("xxh3-128 (the checksum)", lambda: xxhash.xxh3_128_digest(data)),
         ("sha256 (0.1.x's digest)", lambda: hashlib.sha256(data).digest()),
         ("crc32", lambda: zlib.crc32(data)),
-        (
-            "torch.load of the same state",
-            lambda: torch.load(path.with_suffix(".pt"), weights_only=True),
-        ),
     ):
-        seconds = statistics.median(timed(function) for _ in range(repeats))
-        rows.append((name, f"{seconds * 1e3:.1f}", f"{data.nbytes / seconds / 1e9:.2f}"))
+        base, cand, ratio, low, high = compare(repeats, load, function)
+        rows.append(
+            (name, size, f"{algorithm} ms, in memory ({data.nbytes / cand / 1e9:.1f} GB/s)",
+             "torch.load", f"{base * 1e3:.1f}", f"{cand * 1e3:.1f}", f"{ratio:.2f}x",
+             f"{low:.2f}-{high:.2f}", "-")
+        )  # fmt: skip
     return rows
 
 
@@ -329,8 +384,7 @@ def main() -> None:
     sizes = [("small", *SIZES["small"])] + ([] if args.quick else [("large", *SIZES["large"])])
     print(
         f"k3-checkpoint vs plain torch: torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads, {repeats} interleaved repeats, targets <= {TARGET}x time, "
-        f"<= {MEMORY_TARGET}x fresh-resume memory"
+        f"threads, {repeats} interleaved repeats (ms and MiB are medians)"
     )
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         directory = Path(scratch)
@@ -338,22 +392,16 @@ def main() -> None:
         for name, vocab, width, layers in sizes:
             rows += bench_state(build(name, vocab, width, layers), repeats, directory)
         fresh = 1 if args.quick else repeats  # a subprocess (torch import) per measurement
-        resumes = [bench_fresh_resume(name, fresh, directory) for name, *_ in sizes]
-        rows += [timing for timing, _ in resumes]
-        header = ("state", "file", "operation", "baseline", "base ms", "k3 ms", "ratio",
+        for name, *_ in sizes:  # the mmap alternatives matter for the large state
+            kinds = tuple(RESUMES) if name == "large" else ("plain", "k3")
+            rows += bench_fresh_resume(name, fresh, directory, kinds)
+        largest = sizes[-1][0]
+        rows += checksum_rates(largest, directory / f"{largest}.k3", repeats)
+        header = ("state", "file", "measure", "against", "baseline", "measured", "ratio",
                   "spread", "target")  # fmt: skip
         print_table(header, rows)
         if args.json:
             args.json.write_text(json.dumps([dict(zip(header, row)) for row in rows], indent=2))
-        print()
-        print("resume in a fresh process, peak resident memory it added (MiB, median):")
-        print_table(("state", "file", "torch.load + load_state_dict", "load_checkpoint",
-                     "target"), [memory for _, memory in resumes])  # fmt: skip
-        print()
-        largest = directory / f"{sizes[-1][0]}.k3"
-        print(f"checksums over {largest.stat().st_size / 2**20:.1f} MiB (in memory):")
-        print_table(("algorithm", "ms", "GB/s"), checksum_rates(largest, repeats))
-
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,12 @@
 """The checksum: XXH3-128 of every byte before the trailer, as documented; the paths that
-compute it agree; a corrupt file never reaches torch.load; an in-place rewrite after the
-checksum is caught."""
+compute it agree; a corrupt file is refused as corrupt whatever torch makes of it, whether
+the checksum runs before the load or beside it; an in-place rewrite is caught."""
 
 from __future__ import annotations
 
 import io
 import os
+import threading
 
 import pytest
 import torch
@@ -54,6 +55,9 @@ def test_every_checksum_path_agrees(tmp_path, size):
         assert checksum_of_file(file, 0, size + 1) is None  # the file ends first
         if size > 10:
             assert checksum_of_file(file, 3, size - 5) == xxhash.xxh3_128(data[3:-5]).digest()
+        for chunk in (4093, payload_module.OVERLAP_CHUNK):  # odd boundaries; the overlapped reads
+            assert checksum_of_file(file, 0, size, chunk) == expected
+            assert checksum_of_file(file, 0, size + 1, chunk) is None
 
 
 @pytest.mark.parametrize(
@@ -66,7 +70,7 @@ def test_every_checksum_path_agrees(tmp_path, size):
     ],
     ids=["no-tensors", "plain-only", "tiny-tensors", "large"],
 )
-def test_payloads_of_every_shape_round_trip(tmp_path, payload):
+def test_payloads_of_every_shape_round_trip(tmp_path, payload, hashing):
     path = tmp_path / "ckpt.k3"
     checksum = write_payload(path, {"format_version": 7, **payload})
     loaded, read_checksum = payload_module.read_verified(path)
@@ -79,12 +83,54 @@ def test_payloads_of_every_shape_round_trip(tmp_path, payload):
             assert loaded[key] == value
 
 
-def test_corrupt_payloads_never_reach_torch_load(tmp_path, monkeypatch):
-    path = tmp_path / "ckpt.k3"
-    write_payload(path, {"format_version": 7, "w": torch.ones(10_000)})
+@pytest.fixture(params=["before-load", "beside-load"])
+def hashing(request, monkeypatch):
+    """Both ways ``read_verified`` checks a payload: hashed before ``torch.load`` (small
+    files) or on a thread while torch parses it (large ones)."""
+    overlapped = request.param == "beside-load"
+    monkeypatch.setattr(payload_module, "OVERLAP_FROM", 0 if overlapped else 1 << 62)
+    calls = []
+    real = payload_module.checksum_of_file
+
+    def recorded(*args):
+        calls.append(threading.current_thread() is not threading.main_thread())
+        return real(*args)
+
+    monkeypatch.setattr(payload_module, "checksum_of_file", recorded)
+    yield
+    # The last checksum a test takes is its read's (a write before it hashes on this thread).
+    assert calls and calls[-1] == overlapped
+
+
+def _corrupt(path):
     raw = bytearray(path.read_bytes())
     raw[-200] ^= 1
     path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("torch_says", ["accepts", "refuses"])
+def test_a_corrupt_payload_is_refused_as_corrupt_whatever_torch_makes_of_it(
+    tmp_path, monkeypatch, hashing, torch_says
+):
+    path = tmp_path / "ckpt.k3"
+    write_payload(path, {"format_version": 7, "w": torch.ones(10_000)})
+    _corrupt(path)
+
+    def load(*args, **kwargs):
+        if torch_says == "refuses":
+            raise RuntimeError("PytorchStreamReader failed reading zip archive")
+        return {"format_version": 7, "w": torch.zeros(3)}
+
+    monkeypatch.setattr(torch, "load", load)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_payload(path)
+
+
+def test_a_small_corrupt_payload_never_reaches_torch_load(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.k3"
+    write_payload(path, {"format_version": 7, "w": torch.ones(10_000)})
+    _corrupt(path)
+    assert path.stat().st_size < payload_module.OVERLAP_FROM
     calls = []
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(args))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
@@ -92,7 +138,7 @@ def test_corrupt_payloads_never_reach_torch_load(tmp_path, monkeypatch):
     assert calls == []
 
 
-def test_a_rewrite_in_place_after_the_checksum_is_refused(tmp_path, monkeypatch):
+def test_a_rewrite_in_place_after_the_checksum_is_refused(tmp_path, monkeypatch, hashing):
     """A writer changing the file's bytes after they were hashed (same inode, same size)
     must not be loaded as the verified file: its modification time gives it away."""
     path, other = tmp_path / "ckpt.k3", tmp_path / "other.k3"

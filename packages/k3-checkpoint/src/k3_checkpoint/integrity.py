@@ -19,7 +19,8 @@ __all__ = ["ALGORITHM", "checksum_of_bytes", "checksum_of_file", "file_checksum"
 ALGORITHM = "xxh3-128"
 """The checksum's name, as headers and manifests record it."""
 
-_CHUNK = 1 << 20  # read granularity: large enough for memory speed, small to stay cached
+CHUNK = 1 << 20
+"""Default read granularity: large enough for memory speed, small enough to stay cached."""
 
 
 def checksum_of_bytes(data: bytes | bytearray | memoryview) -> bytes:
@@ -27,16 +28,17 @@ def checksum_of_bytes(data: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
-def checksum_of_file(file: BinaryIO, start: int, stop: int) -> bytes | None:
-    """The checksum of bytes ``[start, stop)`` of the open ``file``, or None when the file
-    ends before ``stop`` (it shrank since its size was read)."""
+def checksum_of_file(
+    file: BinaryIO, start: int, stop: int, chunk: int = CHUNK
+) -> bytes | None:
+    """The checksum of bytes ``[start, stop)`` of the open ``file``, read ``chunk`` bytes at a
+    time, or None when the file ends before ``stop`` (it shrank since its size was read)."""
     hasher = xxhash.xxh3_128()
-    chunk = bytearray(_CHUNK)
-    view = memoryview(chunk)
+    view = memoryview(bytearray(chunk))
     file.seek(start)
     remaining = stop - start
     while remaining > 0:
-        got = file.readinto(view[: min(_CHUNK, remaining)])  # type: ignore[attr-defined]
+        got = file.readinto(view[: min(chunk, remaining)])  # type: ignore[attr-defined]
         if not got:
             return None
         hasher.update(view[:got])

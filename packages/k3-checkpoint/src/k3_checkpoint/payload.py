@@ -11,8 +11,9 @@ Trailer (little-endian), the zip's comment, so the file stays an ordinary zip::
     60  4  crc32     of bytes 0-59
 
 Why a trailer and not a field inside the pickle: a checksum cannot cover the bytes that
-hold it, and checking it *before* loading means a corrupt file never reaches the zip and
-pickle parsers. Why at the end: ``torch.load(path)`` needs the zip to start the file.
+hold it, and the trailer (its CRC, the length) is checked before torch opens the file, so a
+cut file never reaches the zip and pickle parsers. Why at the end:
+``torch.load(path)`` needs the zip to start the file.
 Together the trailer's CRC, the exact length and the checksum make every bit of the file
 matter: a flip or a cut anywhere is a ``CheckpointError``, never a half-read payload.
 The payload is loaded only by ``torch.load(path, weights_only=True)``, torch's public
@@ -190,10 +191,10 @@ class Verified(NamedTuple):
 def read_verified(path: str | os.PathLike[str]) -> Verified:
     """``read_payload``, with the checksum.
 
-    The checksum is checked over the file, then ``torch.load`` opens the same path; the
-    file's identity (device, inode, size, modification time) before and after says it was
-    neither replaced nor modified in between, so no byte that was not verified reaches
-    the unpickler.
+    The trailer is checked, the payload hashed and ``torch.load`` given the same path (see
+    ``_load_checked``); the file's identity (device, inode, size, modification time) before
+    and after says it was neither replaced nor modified meanwhile, so the payload returned is
+    made of the bytes that were verified.
     """
     path = Path(path)
     try:
@@ -201,17 +202,9 @@ def read_verified(path: str | os.PathLike[str]) -> Verified:
             before = os.fstat(file.fileno())
             tail = _tail(file, before.st_size)
             if tail[-TRAILER_SIZE:][: len(MAGIC)] == MAGIC:
-                version, digest = _verify_trailer(file, before.st_size, tail[-TRAILER_SIZE:],
-                                                  path)
-                # Not mmap=True: a mapped storage is read (and checked against its zip
-                # record) only when first used, so a forged one would fail during the
-                # restore, after other components had changed; read now, it fails here.
-                payload = _weights_only(
-                    lambda: torch.load(path, weights_only=True, map_location="cpu"),
-                    path, "torch.load(weights_only=True)")
-                if _identity(os.stat(path)) != _identity(before):
-                    raise CheckpointError("changed while it was read (replaced or modified "
-                                          "after its checksum was verified)", path=path)
+                version, length, expected = _read_trailer(before.st_size, tail[-TRAILER_SIZE:],
+                                                          path)
+                payload, digest = _load_checked(file, before, length, expected, path)
             elif _head(file) == MAGIC:  # 0.1.x: the header in front
                 version, data, digest = legacy.read_legacy(file, before.st_size, path)
                 _refuse_format(version, path)
@@ -247,8 +240,8 @@ def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
-def _verify_trailer(file: BinaryIO, size: int, trailer: bytes, path: Path) -> tuple[int, str]:
-    """``(format version, hex checksum)`` once the trailer and the checksum hold."""
+def _read_trailer(size: int, trailer: bytes, path: Path) -> tuple[int, int, bytes]:
+    """``(format version, payload length, expected checksum)`` once the trailer holds."""
     if len(trailer) < TRAILER_SIZE:
         raise CheckpointError(f"is truncated: {size} bytes, not even a trailer", path=path)
     fields, (crc,) = trailer[: _FIELDS.size], _CRC.unpack(trailer[_FIELDS.size :])
@@ -264,7 +257,76 @@ def _verify_trailer(file: BinaryIO, size: int, trailer: bytes, path: Path) -> tu
             "from or inserted into the file)",
             path=path,
         )
-    actual = checksum_of_file(file, 0, length)
+    return version, length, expected
+
+
+OVERLAP_FROM = 32 << 20
+"""Payloads this large are hashed on a thread while torch parses them. Below it, starting
+the thread and handing the interpreter lock back and forth cost more than the hash saves
+(measured: BENCHMARKS.md)."""
+
+OVERLAP_CHUNK = 4 << 20
+"""The thread's read granularity. It takes the interpreter lock back after every read and
+every hash call, each time from torch's unpickler, which runs Python; larger reads mean
+fewer handoffs, at the price of a buffer of this size beside the loaded state."""
+
+
+def _load_checked(
+    file: BinaryIO, before: os.stat_result, length: int, expected: bytes, path: Path
+) -> Verified:
+    """``torch.load`` of ``path``, returned only once bytes ``[0, length)`` of ``file`` hash
+    to ``expected`` and the file is still the one ``before`` describes.
+
+    A large payload is hashed while torch parses it: both read the same page cache, the hash
+    runs at memory speed outside the interpreter lock, and done first it would add its whole
+    time to every resume. Nothing torch returns is used, and no refusal of torch's reported,
+    until the checksum has been compared, so a corrupt file is always refused as corrupt.
+    What the overlap gives up is only that torch's parser may see corrupt bytes first; it
+    faces arbitrary bytes anyway, since a forger recomputes an unkeyed checksum, and
+    ``weights_only`` is what keeps a hostile pickle from running code.
+
+    Not ``mmap=True``: a mapped storage is sliced from the file without checking its size
+    against its zip record (a forged size reads the bytes that follow it, where the copying
+    load refuses the file), and the optimizer state restored from it would either keep the
+    file mapped for the whole run (a replaced checkpoint's disk space held, SIGBUS if the file
+    is truncated) or need a private copy while the mapping is resident (a peak above the
+    copying load's; BENCHMARKS.md).
+    """
+
+    def load() -> Any:
+        return _weights_only(lambda: torch.load(path, weights_only=True, map_location="cpu"),
+                             path, "torch.load(weights_only=True)")
+
+    overlap = length >= OVERLAP_FROM
+    with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-checkpoint-hash")
+          if overlap else contextlib.nullcontext()) as pool:
+        if pool is None:  # hashed first: a small corrupt file never reaches torch
+            checksum = _compare_checksum(checksum_of_file(file, 0, length), expected, path)
+        else:
+            hashing = pool.submit(checksum_of_file, file, 0, length, OVERLAP_CHUNK)
+        try:
+            payload = load()
+        except CheckpointError:  # corrupt, then rewritten meanwhile, before torch's refusal
+            if pool is not None:
+                _compare_checksum(hashing.result(), expected, path)
+            _check_unchanged(before, path)
+            raise
+        if pool is not None:
+            checksum = _compare_checksum(hashing.result(), expected, path)
+    _check_unchanged(before, path)
+    return Verified(payload, checksum)
+
+
+def _check_unchanged(before: os.stat_result, path: Path) -> None:
+    """Refuse a file whose identity (device, inode, size, modification time) is no longer
+    ``before``'s: it was replaced or modified while it was hashed and loaded."""
+    if _identity(os.stat(path)) != _identity(before):
+        raise CheckpointError("changed while it was read (replaced or modified while its "
+                              "checksum was verified and it was loaded)", path=path)
+
+
+def _compare_checksum(actual: bytes | None, expected: bytes, path: Path) -> str:
+    """The hex checksum, once ``actual`` (None: the file ended early) matches ``expected``."""
     if actual is None:
         raise CheckpointError("is shorter than when it was opened (changed while read)",
                               path=path)
@@ -274,7 +336,7 @@ def _verify_trailer(file: BinaryIO, size: int, trailer: bytes, path: Path) -> tu
             f"records {expected.hex()[:16]}…; the file is corrupt",
             path=path,
         )
-    return version, actual.hex()
+    return actual.hex()
 
 
 def _refuse_format(version: int, path: Path) -> None:
