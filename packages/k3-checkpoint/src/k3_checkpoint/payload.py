@@ -293,26 +293,25 @@ def _load_checked(
     copying load's; BENCHMARKS.md).
     """
 
-    def load() -> Any:
-        return _weights_only(lambda: torch.load(path, weights_only=True, map_location="cpu"),
-                             path, "torch.load(weights_only=True)")
-
-    overlap = length >= OVERLAP_FROM
-    with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-checkpoint-hash")
-          if overlap else contextlib.nullcontext()) as pool:
-        if pool is None:  # hashed first: a small corrupt file never reaches torch
+    with contextlib.ExitStack() as stack:
+        verified: Callable[[], str]
+        if length < OVERLAP_FROM:  # hashed first: a small corrupt file never reaches torch
             checksum = _compare_checksum(checksum_of_file(file, 0, length), expected, path)
+            verified = lambda: checksum  # noqa: E731
         else:
+            pool = stack.enter_context(
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-checkpoint-hash"))
             hashing = pool.submit(checksum_of_file, file, 0, length, OVERLAP_CHUNK)
+            verified = lambda: _compare_checksum(hashing.result(), expected, path)  # noqa: E731
         try:
-            payload = load()
+            payload = _weights_only(
+                lambda: torch.load(path, weights_only=True, map_location="cpu"),
+                path, "torch.load(weights_only=True)")
         except CheckpointError:  # corrupt, then rewritten meanwhile, before torch's refusal
-            if pool is not None:
-                _compare_checksum(hashing.result(), expected, path)
+            verified()
             _check_unchanged(before, path)
             raise
-        if pool is not None:
-            checksum = _compare_checksum(hashing.result(), expected, path)
+        checksum = verified()
     _check_unchanged(before, path)
     return Verified(payload, checksum)
 
