@@ -13,6 +13,7 @@ resident memory each side adds, and checksum algorithms over the large file.
 
     python benchmarks/bench_checkpoint.py            # small and large state, 9 repeats
     python benchmarks/bench_checkpoint.py --quick    # small state, 3 repeats (smoke test)
+    python benchmarks/bench_checkpoint.py --states huge   # a 384 MiB state
 """
 
 from __future__ import annotations
@@ -125,7 +126,11 @@ class State:
         }
 
 
-SIZES = {"small": (2048, 64, 2), "large": (4096, 256, 8)}  # vocab, width, layers
+SIZES = {  # vocab, width, layers
+    "small": (2048, 64, 2),  # 4 MiB
+    "large": (4096, 256, 8),  # 96 MiB
+    "huge": (8192, 512, 8),  # 384 MiB, only with --states: how the ratios move with size
+}
 
 
 def build(name: str, vocab: int, width: int, layers: int, *, trained: bool = True) -> State:
@@ -371,6 +376,10 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
     )
+    parser.add_argument(
+        "--states", default="small,large",
+        help=f"comma-separated states among {', '.join(SIZES)} (default: small,large)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the table rows to this file")
     parser.add_argument("--resume-once", nargs=3, help=argparse.SUPPRESS)  # KIND NAME DIR
     args = parser.parse_args()
@@ -381,7 +390,11 @@ def main() -> None:
     if args.threads:  # 1 steadies a shared machine: OpenMP copies stall when a core is taken
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.quick else 9)
-    sizes = [("small", *SIZES["small"])] + ([] if args.quick else [("large", *SIZES["large"])])
+    names = ["small"] if args.quick else args.states.split(",")
+    unknown = sorted(set(names) - set(SIZES))
+    if unknown:
+        parser.error(f"unknown states {unknown}: choose among {', '.join(SIZES)}")
+    sizes = [(name, *SIZES[name]) for name in names]
     print(
         f"k3-checkpoint vs plain torch: torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads, {repeats} interleaved repeats (ms and MiB are medians)"
