@@ -1,7 +1,7 @@
 """Hostile files against torch's own judgement: whatever ``torch.load(weights_only=True)``
 refuses under the installed torch, ``load_checkpoint`` refuses too (with a
-``CheckpointError``), and it also refuses what the format's own checks catch; nothing is
-mutated in any case.
+``CheckpointError``), and it also refuses what the format's own checks catch. A refused file
+changes nothing; an accepted one restores exactly the state that was saved.
 
 Each case is a torch zip a forger built (a pickle written by hand, or torch's own file with
 a member rewritten), given a correct trailer and checksum, so only the loading can refuse
