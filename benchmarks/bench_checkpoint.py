@@ -7,9 +7,10 @@ the file and the directory, so its target is against ``torch.save + fsync``; the
 is against torch.load plus load_state_dict into the model and optimizer, the work
 load_checkpoint also does. Rows without a target show where the cost goes: the price of
 durability, the verified payload alone, the checksum hashed before ``torch.load`` against
-beside it (the payload size from which load_checkpoint overlaps them), a resume in a fresh
-process (one subprocess per measurement, where every page is a first touch) with the peak
-resident memory each side adds, and checksum algorithms over the large file.
+beside it (the payload size from which load_checkpoint overlaps them), a load of small
+tensors packed against one record per tensor, a resume in a fresh process (one subprocess
+per measurement, where every page is a first touch) with the peak resident memory each side
+adds, and checksum algorithms over the large file.
 
     python benchmarks/bench_checkpoint.py            # small and large state, 9 repeats
     python benchmarks/bench_checkpoint.py --quick    # small state, 3 repeats (smoke test)
@@ -37,7 +38,7 @@ import torch
 import xxhash
 from torch import nn
 
-from k3_checkpoint import load_checkpoint, read_payload, save_checkpoint
+from k3_checkpoint import load_checkpoint, packing, read_payload, save_checkpoint
 from k3_checkpoint import payload as payload_module
 
 TARGET = 1.15  # save vs torch.save + fsync; load+validate vs torch.load + load_state_dict
@@ -216,8 +217,19 @@ def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, 
 
         return read
 
+    unpacked_path = directory / f"{state.name}.unpacked.k3"
+
+    def k3_load_unpacked() -> None:
+        load_checkpoint(unpacked_path, **kwargs)  # type: ignore[arg-type]
+
     plain_save()
     k3_save()
+    default = packing.PACK_AT_MOST
+    packing.PACK_AT_MOST = 0  # one zip record per tensor, as before packing
+    try:
+        save_checkpoint(unpacked_path, **kwargs)  # type: ignore[arg-type]
+    finally:
+        packing.PACK_AT_MOST = default
     size = f"{k3_path.stat().st_size / 2**20:.1f} MiB"
     rows = [  # (measure, baseline, baseline fn, candidate fn, judged against TARGET)
         (
@@ -233,6 +245,8 @@ def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, 
         ("read_payload ms", "torch.load", plain_load, k3_read, False),
         ("read_payload ms, hashed beside torch.load", "hashed before it", hashed(False),
          hashed(True), False),
+        ("load+validate ms, small tensors packed", "one record per tensor", k3_load_unpacked,
+         k3_load, False),
     ]  # fmt: skip
     table: list[tuple[str, ...]] = []
     for measure, baseline_name, baseline, candidate, judged in rows:

@@ -201,3 +201,15 @@ def test_what_torch_refuses_load_checkpoint_refuses_and_nothing_changes(name, ch
         assert str(hostile) in str(refused)
     elif refused is None:  # accepted: then exactly what torch reads, nothing else
         assert_same_payload(read_payload(hostile), torch.load(bare, weights_only=True))
+
+
+def test_a_mapped_load_does_not_check_a_storage_against_its_record(checkpoint, tmp_path):
+    """Why ``load_checkpoint`` does not pass ``mmap=True`` (README, ``_load_checked``): the
+    mapped load takes a storage whose zip record is shorter than the pickle says, and would
+    read the bytes after the record as its data, where the copying load refuses the file.
+    If this fails, the installed torch checks mapped storages too, and that reason is gone."""
+    bare = tmp_path / "bare.pt"
+    bare.write_bytes(CASES["storage-larger-than-its-data"](checkpoint, tmp_path / "ran"))
+
+    assert _torch_refuses(bare)
+    torch.load(bare, weights_only=True, map_location="cpu", mmap=True)  # no data touched

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,7 +17,8 @@ import torch
 from .errors import CheckpointError
 
 __all__ = [
-    "MISSING", "describe", "differences", "is_count", "leaf_differences", "show", "to_plain",
+    "MISSING", "describe", "differences", "is_count", "leaf_differences", "show", "tensors_in",
+    "to_plain",
 ]  # fmt: skip
 
 _SHOWN = 60  # characters of a value shown in a difference
@@ -122,3 +123,15 @@ def _same(saved: Any, current: Any) -> bool:
 def show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= _SHOWN else text[: _SHOWN - 1] + "…"
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside mappings, lists and tuples (a payload holds no other containers)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)

@@ -10,6 +10,7 @@ import torch
 
 from .components import Components, Tree
 from .errors import CheckpointError
+from .packing import pack
 from .payload import FORMAT_VERSION, write_payload
 from .plain import to_plain
 from .rng import capture_rng
@@ -53,7 +54,8 @@ def build_payload(
     metadata: Mapping[str, Any],
     modules: Sequence[torch.nn.Module] = (),
 ) -> dict[str, Any]:
-    """The payload ``save_checkpoint`` writes (checked, plain, but not yet on disk)."""
+    """The payload ``save_checkpoint`` writes (checked, plain, but not yet on disk), the
+    components' small tensors packed side by side (``packing``)."""
     tree = Tree(components)
     tree.require_no_gradients()
     structure = tree.structure()
@@ -63,7 +65,7 @@ def build_payload(
     check_names(tree, plain)
     return {
         "format_version": FORMAT_VERSION,
-        **tree.states(),
+        **pack(tree.states()),
         **structure,
         **plain,
         "runtime": runtime_signature(*tree.modules.values(), *modules),

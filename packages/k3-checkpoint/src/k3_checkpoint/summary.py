@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .payload import read_verified
+from .plain import tensors_in
 
 __all__ = ["CheckpointSummary", "inspect_checkpoint"]
 
@@ -56,7 +57,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointSummary:
         file_bytes=path.stat().st_size,
         entries={str(key): _described(value) for key, value in payload.items()},
         tensor_bytes={
-            str(key): sum(tensor.nbytes for tensor in _tensors(value))
+            str(key): sum(tensor.nbytes for tensor in tensors_in(value))
             for key, value in payload.items()
         },
     )
@@ -81,17 +82,6 @@ def _flat(value: Any) -> str:
     else:
         text = repr(value)
     return text if len(text) <= _SHOWN else text[: _SHOWN - 1] + "…"
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 def _size(size: int) -> str:
