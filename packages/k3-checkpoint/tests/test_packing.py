@@ -156,6 +156,38 @@ def test_only_plain_small_dense_cpu_tensors_are_packed(odd):
     assert storage_of(packed["x"]) == storage_of(packed["y"])
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [
+        pytest.param(lambda: torch.randn(3, device="meta"), id="not-on-cpu"),
+        pytest.param(lambda: torch.empty(0), id="empty"),
+    ],
+)
+def test_a_single_storageless_tensor_is_left_alone(odd):
+    """Meta and empty tensors all report storage address 0, so two of them (as above) look
+    shared and are left alone for that reason: one alone shows they are left alone anyway."""
+    alone = odd()
+    state = {"alone": alone, "x": torch.randn(3), "y": torch.randn(3)}
+
+    packed = pack({"model": state})["model"]
+
+    assert packed["alone"] is alone
+    assert storage_of(packed["x"]) == storage_of(packed["y"])
+
+
+def test_a_tensor_with_no_room_beside_it_is_left_alone():
+    """A batch of one would be a copy that saves no record."""
+    first, second = PACK_BUFFER - PACK_AT_MOST + 4, PACK_AT_MOST  # bytes: more than a buffer
+    sizes = [first, second, 4096, 4096]
+    state = {str(i): torch.randn(size // 4) for i, size in enumerate(sizes)}
+    assert all(tensor.nbytes <= PACK_AT_MOST for tensor in state.values())
+
+    packed = pack({"model": state})["model"]
+
+    assert packed["0"] is state["0"]
+    assert len({storage_of(packed[key]) for key in ("1", "2", "3")}) == 1
+
+
 def test_buffers_stay_within_their_size_limit():
     """Each buffer is allocated like the small tensors it replaces (below the allocator's
     mapping threshold), so a load adds no memory they would not."""
