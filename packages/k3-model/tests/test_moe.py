@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -298,6 +300,33 @@ def test_grouped_gemm_and_per_expert_loop_agree_forward_and_backward(make_config
     # a plain .sum() hands backward an expanded gradient, which the kernel rejects raw
     layer.experts.use_grouped_mm = True
     layer(x).sum().backward()
+
+
+def test_the_grouped_path_is_torchs_public_grouped_mm(make_config, monkeypatch):
+    """``torch.nn.functional.grouped_mm`` (public from torch 2.10), one call per expert
+    weight kind; a torch without it gets the per-expert loop."""
+    torch.manual_seed(0)
+    layer = MoE(make_config(moe_latent_dim=16)).eval()  # eval: the balancer stays put
+    x = torch.randn(64, 48)
+    public = mock.Mock(wraps=F.grouped_mm)
+    monkeypatch.setattr(F, "grouped_mm", public)
+    grouped = layer(x)
+    assert public.call_count == 3  # gate, up, down
+
+    monkeypatch.delattr(F, "grouped_mm")
+    assert not layer.experts.grouped_mm_applies(x)
+    torch.testing.assert_close(layer(x), grouped, rtol=1e-5, atol=1e-6)
+
+
+def test_the_package_uses_no_private_torch_api():
+    """Only torch's public API: a private name can vanish in any release."""
+    source = Path(MoE.__init__.__code__.co_filename).parent
+    private = re.compile(r"torch(\.\w+)*\._[A-Za-z]")  # torch._grouped_mm, torch._C, ...
+    uses = [f"{file.name}:{number}: {line.strip()}"
+            for file in sorted(source.glob("*.py"))
+            for number, line in enumerate(file.read_text().splitlines(), 1)
+            if private.search(line)]
+    assert uses == []
 
 
 def test_the_grouped_path_never_syncs_and_the_fallback_is_the_documented_one(make_config):

@@ -50,7 +50,7 @@ class Router(nn.Module):
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: ``_grouped_mm``'s
+    """Identity whose backward makes the incoming gradient contiguous: the grouped GEMM's
     backward rejects expanded gradients (e.g. from ``.sum()``)."""
 
     @staticmethod
@@ -65,7 +65,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def _grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
     """Rows of ``x`` grouped by expert (group e ends at ``ends[e]``) times ``weight[e]ᵀ``."""
     out: Tensor = _ContiguousGrad.apply(  # type: ignore[no-untyped-call]
-        torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+        F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
     )
     return out
 
@@ -75,13 +75,12 @@ class Experts(nn.Module):
 
     Stacks (not a ModuleList) so an optimizer sees each weight kind as one batch of
     matrices (k3-optim orthogonalizes them together). Tokens are grouped by expert with
-    one sort; the groups run as one grouped GEMM (``torch._grouped_mm``) with group ends
-    found on the device, so no host sync. Where that kernel does not apply (fp64, rows
-    not a multiple of 16 bytes, CUDA without bf16 sm90, fp32 under torch.compile, or
-    ``use_grouped_mm = False``)
-    a per-expert loop runs instead, which syncs once for the group sizes. Outputs are
-    gathered back by the inverse permutation, not a scatter-add, so the result is
-    deterministic on GPUs too.
+    one sort; the groups run as one grouped GEMM (``torch.nn.functional.grouped_mm``)
+    with group ends found on the device, so no host sync. Where that kernel does not apply
+    (fp64, rows not a multiple of 16 bytes, CUDA without bf16 sm90, fp32 under
+    torch.compile, a torch without it, or ``use_grouped_mm = False``) a per-expert loop
+    runs instead, which syncs once for the group sizes. Outputs are gathered back by the
+    inverse permutation, not a scatter-add, so the result is deterministic on GPUs too.
     """
 
     use_grouped_mm: bool = True  # False forces the per-expert loop (tests, debugging)
@@ -100,7 +99,7 @@ class Experts(nn.Module):
 
     def grouped_mm_applies(self, x: Tensor) -> bool:
         """Whether the grouped GEMM kernel serves input ``x`` (dtype, device, row strides)."""
-        if not self.use_grouped_mm or not hasattr(torch, "_grouped_mm"):
+        if not self.use_grouped_mm or not hasattr(F, "grouped_mm"):  # public from torch 2.10
             return False
         dtype = _compute_dtype(x)
         if x.device.type == "cuda":
