@@ -7,6 +7,9 @@ and the FP16 skip harness active (the pieces that touch state outside the graph)
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 from trainer_helpers import build_parts, train_config
@@ -57,6 +60,27 @@ def test_compile_time_is_reported(sessions):
     assert start["compile"] is True and end["compile_s"] > 0
     eager_end = next(e for e in eager_log.events if e["event"] == "session_end")
     assert eager_end["compile_s"] == 0
+
+
+@pytest.mark.parametrize("dynamo_hook", [
+    pytest.param(None, id="module-gone"),
+    pytest.param(types.SimpleNamespace(), id="handler-gone"),
+    pytest.param(types.SimpleNamespace(callback_handler=object()), id="methods-gone"),
+])
+def test_a_torch_without_dynamos_compile_callbacks_still_trains(data_dir, monkeypatch,
+                                                                dynamo_hook):
+    """The compile clock hangs on ``torch._dynamo.callback``, which is not public API: a
+    torch that moves it leaves compile time unknown (``None``) and the run unharmed."""
+    monkeypatch.setitem(sys.modules, "torch._dynamo.callback", dynamo_hook)
+    config = train_config(max_steps=2, log_interval=1, eval_interval=2, checkpoint_interval=2,
+                          seq_len=32)
+    model, opt, tl, vl = build_parts(config, data_dir, TINY)
+    log = MetricsLog(None)
+    state = Trainer(model, opt, (tl, vl), config, callbacks=[log]).fit()
+
+    assert state.step == 2
+    end = next(e for e in log.events if e["event"] == "session_end")
+    assert end["compile_s"] is None
 
 
 def test_activation_checkpointing_needs_a_model_that_offers_it():

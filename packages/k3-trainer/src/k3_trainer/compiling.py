@@ -70,13 +70,17 @@ def prepare_model(model: nn.Module, config: TrainConfig) -> None:
 
 class CompileClock:
     """Seconds torch.compile spent compiling while active (dynamo's compile callbacks),
-    so the first steps' extra time is reported as compilation, not as slow training."""
+    so the first steps' extra time is reported as compilation, not as slow training.
+
+    Those callbacks (``torch._dynamo.callback``) are torch's only compile-event hook and not
+    public API, so a torch that moves them must cost the report, never the run: without
+    them ``seconds`` is None (unknown)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds: float | None = 0.0
         self._started: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._active = False
+        self._handler: Any = None  # dynamo's callback handler while registered
 
     def _start(self, args: Any) -> None:
         with self._lock:
@@ -85,21 +89,26 @@ class CompileClock:
     def _end(self, args: Any) -> None:
         with self._lock:
             start = self._started.pop(str(getattr(args, "compile_id", "")), None)
-            if start is not None:
+            if start is not None and self.seconds is not None:
                 self.seconds += time.perf_counter() - start
 
     def __enter__(self) -> CompileClock:
-        from torch._dynamo.callback import callback_handler
+        try:
+            from torch._dynamo.callback import callback_handler as handler
 
-        callback_handler.register_start_callback(self._start)
-        callback_handler.register_end_callback(self._end)
-        self._active = True
+            for name in ("register_start_callback", "register_end_callback",
+                         "remove_start_callback", "remove_end_callback"):
+                getattr(handler, name)
+        except (ImportError, AttributeError):  # moved or renamed by a torch release
+            self.seconds = None
+            return self
+        handler.register_start_callback(self._start)
+        handler.register_end_callback(self._end)
+        self._handler = handler
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from torch._dynamo.callback import callback_handler
-
-        if self._active:
-            callback_handler.remove_start_callback(self._start)
-            callback_handler.remove_end_callback(self._end)
-            self._active = False
+        if self._handler is not None:
+            self._handler.remove_start_callback(self._start)
+            self._handler.remove_end_callback(self._end)
+            self._handler = None

@@ -186,7 +186,9 @@ class Trainer:
                                         else None)
         self._event("session_end", step=self.state.step, tokens_seen=self.state.tokens_seen,
                     skipped_updates=self.state.skipped_updates,
-                    compile_s=round(compile_clock.seconds, 3), **self.profiler.summary(),
+                    compile_s=(None if compile_clock.seconds is None
+                               else round(compile_clock.seconds, 3)),
+                    **self.profiler.summary(),
                     **({"interrupted": signal.Signals(stop).name} if stop is not None else {}))
         if stop is not None:
             raise TrainingInterrupted(self.state.step, stop, self.checkpoint_path)
