@@ -1,4 +1,5 @@
-"""The workspace stays coherent: one version, exact sibling pins, every package tested."""
+"""The workspace stays coherent: one version, exact sibling pins, every package tested, no
+private torch API beyond a listed few."""
 
 from __future__ import annotations
 
@@ -69,3 +70,31 @@ def test_every_package_is_in_the_root_test_matrix():
         assert (package / "README.md").is_file() and (package / "tests").is_dir()
         src = package / "src" / _project(package / "pyproject.toml")["name"].replace("-", "_")
         assert (src / "py.typed").is_file(), f"{package.name} lacks py.typed"
+
+
+# Private torch names a package may still use, each with why (no public equivalent). The
+# test below fails on any other, and on an entry here that is no longer used.
+PRIVATE_TORCH_ALLOWED = {
+    # torch.optim's own optimizers run on these; torch has no public foreach API
+    ("k3-optim", "torch._foreach_"),
+    # dynamo's compile callbacks, torch's only compile-event hook; guarded (compiling.py)
+    ("k3-trainer", "torch._dynamo"),
+}
+
+
+def test_no_package_names_a_private_torch_api_beyond_the_listed_ones():
+    """A private torch name can vanish in any release without notice."""
+    private = re.compile(r"torch(?:\.\w+)*\._[A-Za-z]\w*")  # torch._C, torch.x._y, ...
+    found: set[tuple[str, str]] = set()
+    unlisted = []
+    for package in PACKAGES:
+        for file in sorted((package / "src").rglob("*.py")):
+            for number, line in enumerate(file.read_text().splitlines(), 1):
+                for name in private.findall(line):
+                    allowed = [prefix for owner, prefix in PRIVATE_TORCH_ALLOWED
+                               if owner == package.name and name.startswith(prefix)]
+                    found.update((package.name, prefix) for prefix in allowed)
+                    if not allowed:
+                        unlisted.append(f"{file.relative_to(ROOT)}:{number}: {name}")
+    assert unlisted == []
+    assert found == PRIVATE_TORCH_ALLOWED, "drop the entries no longer used"
