@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .balancer import QuantileBalancer, expert_counts, quantile_bias
     from .checkpointing import CHECKPOINT_MODES
     from .config import K3Config
+    from .hub import load_pretrained, save_pretrained
     from .flops import ParameterCount, count_parameters, flops_per_token, kda_flops_per_token
     from .kda import KimiDeltaAttention, chunk_kda, recurrent_kda
     from .loss import chunked_cross_entropy
@@ -45,6 +46,8 @@ _EXPORTS = {
     "count_parameters": ".flops",
     "flops_per_token": ".flops",
     "kda_flops_per_token": ".flops",
+    "load_pretrained": ".hub",
+    "save_pretrained": ".hub",
     "KimiDeltaAttention": ".kda",
     "chunk_kda": ".kda",
     "recurrent_kda": ".kda",
@@ -112,8 +115,10 @@ __all__ = [
     "expert_counts",
     "flops_per_token",
     "kda_flops_per_token",
+    "load_pretrained",
     "preset",
     "quantile_bias",
     "recurrent_kda",
+    "save_pretrained",
     "situ_glu",
 ]

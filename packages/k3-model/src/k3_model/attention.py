@@ -91,12 +91,12 @@ class MLAttention(nn.Module):
         q_rows = h * (self.nope_dim + self.rope_dim)
         if self.q_rank:
             self.q_down = nn.Linear(d, self.q_rank, bias=False)
-            self.q_norm = RMSNorm(self.q_rank, config.norm_eps)
+            self.q_norm = RMSNorm(self.q_rank, config.latent_norm_eps)
             self.q_up = nn.Linear(self.q_rank, q_rows, bias=False)
         else:
             self.q_proj = nn.Linear(d, q_rows, bias=False)
         self.kv_down = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_rank, config.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_rank, config.latent_norm_eps)
         self.kv_up = nn.Linear(self.kv_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if self.gated else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
@@ -155,5 +155,7 @@ def build_attention(config: K3Config, kind: str) -> GQAttention | MLAttention | 
             config.d_model, config.kda_n_heads, config.kda_dim,
             conv_size=config.kda_conv_size, norm_eps=config.norm_eps,
             chunk_size=config.kda_chunk_size, backend=config.kda_backend,
+            decay=config.kda_decay, gate_lower_bound=config.kda_gate_lower_bound,
+            output_gate_rank=config.kda_output_gate_rank,
         )
     return MLAttention(config) if kind == "mla" else GQAttention(config)

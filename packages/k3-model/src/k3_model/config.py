@@ -8,6 +8,7 @@ Every invalid value or combination raises ``ValueError`` naming the field and th
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +17,7 @@ Attention = Literal["gqa", "mla", "hybrid"]
 MLP = Literal["dense", "moe"]
 Activation = Literal["swiglu", "situ"]
 KDABackend = Literal["auto", "torch", "fla"]
+KDADecay = Literal["bounded", "softplus"]
 LayerType = Literal["kda", "mla", "gqa"]
 
 KDA_CHUNK_SIZES = (16, 32, 64)
@@ -63,6 +65,9 @@ class K3Config:
     """MLA: per-head query dims that meet the one key slice shared by all heads."""
     v_head_dim: int = 32
     """MLA: per-head value width."""
+    mla_norm_eps: float | None = None
+    """MLA: epsilon of the query and latent RMSNorms (unset: norm_eps; Kimi Linear's is
+    1e-6)."""
     mla_rope: bool | None = None
     """MLA: rotate the shared key slice (unset: K3's choice, off in hybrid, on in mla)."""
     mla_gate: bool | None = None
@@ -77,6 +82,14 @@ class K3Config:
     """KDA: chunk of the chunked recurrence (16, 32 or 64)."""
     kda_backend: KDABackend = "auto"
     """KDA kernel: torch, fla (CUDA), or auto (fla when usable)."""
+    kda_decay: KDADecay = "bounded"
+    """KDA forget gate: bounded (K3: g = kda_gate_lower_bound·σ(exp(A_log)·(f + dt_bias)))
+    or softplus (Kimi Linear: g = −exp(A_log)·softplus(f + dt_bias), unbounded)."""
+    kda_gate_lower_bound: float = -5.0
+    """KDA, bounded decay: the least log decay per step (K3's −5)."""
+    kda_output_gate_rank: int = 0
+    """KDA: rank of the output gate σ(W_g x) (0: full rank, K3's; Kimi Linear's is
+    kda_head_dim)."""
     attn_res_block_size: int = 0
     """Layers per block of block Attention Residuals (0: the plain pre-norm residual)."""
     mlp: MLP = "moe"
@@ -181,6 +194,9 @@ class K3Config:
                 f"K3Config.qk_rope_head_dim must be even (rotary pairs) and ≥ 2, got {rope}; "
                 "or set mla_rope=False (NoPE: the shared key slice is not rotated)"
             )
+        if self.mla_norm_eps is not None and not self.mla_norm_eps > 0:
+            raise ValueError(f"K3Config.mla_norm_eps must be > 0 or None (= norm_eps), got "
+                             f"{self.mla_norm_eps!r}")
         if not self.mla_uses_rope and rope < 1:
             raise ValueError(
                 f"K3Config.qk_rope_head_dim must be ≥ 1 (the key slice shared by all heads), "
@@ -205,6 +221,14 @@ class K3Config:
                 f"{self.kda_chunk_size!r}"
             )
         _choice(self, "kda_backend", ("auto", "torch", "fla"))
+        _choice(self, "kda_decay", ("bounded", "softplus"))
+        bound = self.kda_gate_lower_bound
+        if not (math.isfinite(bound) and bound < 0):
+            raise ValueError(f"K3Config.kda_gate_lower_bound must be a finite number < 0 "
+                             f"(K3's is -5), got {bound!r}")
+        if self.kda_output_gate_rank < 0:
+            raise ValueError(f"K3Config.kda_output_gate_rank must be ≥ 0 (0 = full rank), "
+                             f"got {self.kda_output_gate_rank}")
 
     def _check_moe(self) -> None:
         for name in ("n_experts", "moe_top_k", "moe_d_ff"):
@@ -264,6 +288,11 @@ class K3Config:
         return self.attention == "gqa" or self.mla_uses_rope
 
     @property
+    def latent_norm_eps(self) -> float:
+        """Epsilon of MLA's query and latent RMSNorms (``mla_norm_eps``, else ``norm_eps``)."""
+        return self.norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
+
+    @property
     def kda_n_heads(self) -> int:
         """KDA heads: ``kda_heads``, or ``n_heads`` when None."""
         return self.n_heads if self.kda_heads is None else self.kda_heads
@@ -317,8 +346,17 @@ class K3Config:
     # --- plain data ----------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-data form (str/int/float/bool/None), what a checkpoint stores and compares."""
-        return dataclasses.asdict(self)
+        """Plain-data form (str/int/float/bool/None), what a checkpoint stores and compares.
+
+        Fields added after 0.1.0 (:data:`LATER_FIELDS`) are left out while they hold their
+        default, which is the meaning a config saved before they existed has: such a
+        checkpoint still compares equal, and ``from_dict`` fills them back in.
+        """
+        data = dataclasses.asdict(self)
+        for name, default in LATER_FIELDS.items():
+            if data[name] == default:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> K3Config:
@@ -343,9 +381,16 @@ class K3Config:
         return dataclasses.replace(self, **changes)
 
 
+# Added after 0.1.0, with the default that keeps an older config's meaning.
+LATER_FIELDS: Mapping[str, Any] = {
+    "kda_decay": "bounded", "kda_gate_lower_bound": -5.0, "kda_output_gate_rank": 0,
+    "mla_norm_eps": None,
+}
+
 _INT_OR_NONE = ("n_kv_heads", "head_dim", "kda_heads", "kda_head_dim")
+_FLOAT_OR_NONE = ("mla_norm_eps",)
 _BOOL_OR_NONE = ("mla_rope", "mla_gate")
-_STRINGS = ("attention", "mlp", "activation", "kda_backend")
+_STRINGS = ("attention", "mlp", "activation", "kda_backend", "kda_decay")
 
 
 def _check_types(config: K3Config) -> None:
@@ -356,6 +401,12 @@ def _check_types(config: K3Config) -> None:
         if field.name in _INT_OR_NONE:
             ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
             want = "an int or None"
+        elif field.name in _FLOAT_OR_NONE:
+            ok = value is None or (isinstance(value, (int, float))
+                                   and not isinstance(value, bool))
+            want = "a number or None"
+            if ok and isinstance(value, int):
+                object.__setattr__(config, field.name, float(value))
         elif field.name in _BOOL_OR_NONE:
             ok, want = value is None or isinstance(value, bool), "True, False or None"
         elif field.name in _STRINGS:

@@ -74,7 +74,9 @@ def _kda(c: K3Config) -> tuple[int, int]:
     inner = h * k
     qkv, conv = 3 * d * inner, 3 * inner * c.kda_conv_size
     forget = d * k + k * inner  # f_a, f_b
-    beta, gate, out = d * h, d * inner, inner * d
+    rank = c.kda_output_gate_rank
+    gate = rank * (d + inner) if rank else d * inner  # g_a, g_b or g_proj
+    beta, out = d * h, inner * d
     return qkv + conv + forget + beta + gate + out, h + inner + k  # A_log, dt_bias, o_norm
 
 

@@ -31,6 +31,7 @@ from .norm import RMSNorm
 
 CHUNK_SIZES = (16, 32, 64)
 BACKENDS = ("auto", "torch", "fla")
+DECAYS = ("bounded", "softplus")
 DECAY_LOWER_BOUND = -5.0  # K3's g = −5·sigmoid(·): every step keeps at least e⁻⁵ of the state
 # Sub-block length for the pairwise decay exp(G_t − G_j). Across sub-blocks every factor
 # is ≤ 1 for any g ≤ 0. Within one, chunk_kda's fast form has a factor up to
@@ -312,7 +313,9 @@ class KimiDeltaAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, conv_size: int = 4,
-                 norm_eps: float = 1e-5, chunk_size: int = 64, backend: str = "auto"):
+                 norm_eps: float = 1e-5, chunk_size: int = 64, backend: str = "auto",
+                 decay: str = "bounded", gate_lower_bound: float = DECAY_LOWER_BOUND,
+                 output_gate_rank: int = 0):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads),
                             ("head_dim", head_dim), ("conv_size", conv_size)):
@@ -324,11 +327,20 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if decay not in DECAYS:
+            raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
+        if not (math.isfinite(gate_lower_bound) and gate_lower_bound < 0):
+            raise ValueError(f"gate_lower_bound must be a finite number < 0, "
+                             f"got {gate_lower_bound!r}")
+        if not isinstance(output_gate_rank, int) or output_gate_rank < 0:
+            raise ValueError(f"output_gate_rank must be an int ≥ 0 (0 = full rank), "
+                             f"got {output_gate_rank!r}")
         if backend == "fla" and not fla_available():
             raise ImportError("backend='fla' needs flash-linear-attention "
                               "(pip install flash-linear-attention); or use backend='auto'")
         self.n_heads, self.head_dim, self.conv_size = n_heads, head_dim, conv_size
         self.chunk_size, self.backend = chunk_size, backend
+        self.decay_form, self.gate_lower_bound = decay, float(gate_lower_bound)
         inner = n_heads * head_dim
         self.q_proj = nn.Linear(d_model, inner, bias=False)
         self.k_proj = nn.Linear(d_model, inner, bias=False)
@@ -340,7 +352,11 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.dt_bias = nn.Parameter(torch.empty(inner))
         self.b_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.g_proj = nn.Linear(d_model, inner, bias=False)
+        if output_gate_rank:  # Kimi Linear: low rank, like the forget gate
+            self.g_a = nn.Linear(d_model, output_gate_rank, bias=False)
+            self.g_b = nn.Linear(output_gate_rank, inner, bias=False)
+        else:  # K3: full rank
+            self.g_proj = nn.Linear(d_model, inner, bias=False)
         self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, d_model, bias=False)
         self.reset_parameters()
@@ -348,14 +364,21 @@ class KimiDeltaAttention(nn.Module):
     def reset_parameters(self) -> None:
         """Design init for what a normal init of 2-D weights does not cover.
 
-        ``dt_bias = 0``, as torchtitan's and NeMo's K3 ports: at init a token keeps about
-        e^{−2.5} ≈ 8% of the state per step. fla's init (``dt_bias`` = softplus⁻¹ of a
-        log-uniform dt in [1e-3, 0.1], ≈ 95% kept) trained worse in ``bench:quality``'s
-        ``kda_gate_init`` comparison (0.027 bits per byte, every seed; BENCHMARKS.md).
+        Bounded decay (K3): ``dt_bias = 0``, as torchtitan's and NeMo's K3 ports: at init a
+        token keeps about e^{−2.5} ≈ 8% of the state per step. fla's init (``dt_bias`` =
+        softplus⁻¹ of a log-uniform dt in [1e-3, 0.1], ≈ 95% kept) trained worse in
+        ``bench:quality``'s ``kda_gate_init`` comparison (0.027 bits per byte, every
+        seed; BENCHMARKS.md). Softplus decay (Kimi Linear): fla's init, which that form
+        was published with (with ``dt_bias = 0`` it would start at up to e^{−11} kept).
         """
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
-            self.dt_bias.zero_()
+            if self.decay_form == "softplus":
+                dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1))
+                dt = dt.exp().clamp_min(1e-4)
+                self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(dt)
+            else:
+                self.dt_bias.zero_()
             self.o_norm.weight.fill_(1.0)
         for conv in (self.q_conv, self.k_conv, self.v_conv):
             conv.reset_parameters()
@@ -371,12 +394,28 @@ class KimiDeltaAttention(nn.Module):
         return F.silu(y).transpose(1, 2)
 
     def decay(self, x: Tensor) -> Tensor:
-        """K3's lower-bounded log decay ``−5·sigmoid(exp(A_log)·(f + dt_bias))``, fp32."""
+        """The log decay g [B, T, H, K] in fp32: K3's bounded
+        ``bound·sigmoid(exp(A_log)·(f + dt_bias))``, or Kimi Linear's
+        ``−exp(A_log)·softplus(f + dt_bias)``."""
         b, t, _ = x.shape
         f = self.f_b(self.f_a(x)).float() + self.dt_bias.float()
         f = f.view(b, t, self.n_heads, self.head_dim)
         rate = self.A_log.float().exp().view(self.n_heads, 1)
-        return DECAY_LOWER_BOUND * torch.sigmoid(rate * f)
+        if self.decay_form == "softplus":
+            return -rate * F.softplus(f)
+        return self.gate_lower_bound * torch.sigmoid(rate * f)
+
+    @property
+    def decay_bound(self) -> float | None:
+        """The least g the decay can take (None: unbounded), what ``chunk_kda`` is told."""
+        return self.gate_lower_bound if self.decay_form == "bounded" else None
+
+    def output_gate(self, x: Tensor) -> Tensor:
+        """``W_g x`` before the sigmoid: full rank (``g_proj``) or low rank (``g_b(g_a x)``)."""
+        if hasattr(self, "g_proj"):
+            out: Tensor = self.g_proj(x)
+            return out
+        return self.g_b(self.g_a(x))
 
     def _use_fla(self, x: Tensor) -> bool:
         if self.backend == "torch":
@@ -404,18 +443,20 @@ class KimiDeltaAttention(nn.Module):
             # for bounds ≥ −5, K3's DECAY_LOWER_BOUND. fla's lower_bound only shapes its
             # in-kernel gate (use_gate_in_kernel=True), which K3 does not use.
             fla_kda = _fla_chunk_kda()
+            bounded = self.decay_bound is not None and self.decay_bound >= DECAY_LOWER_BOUND
             o, _ = fla_kda(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False,
-                           **_bounded_gate_option(fla_kda))
+                           **(_bounded_gate_option(fla_kda) if bounded else {}))
         else:
             o, _ = chunk_kda(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size,
-                             gate_lower_bound=DECAY_LOWER_BOUND)
-        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x)).view(b, t, h, e)
+                             gate_lower_bound=self.decay_bound)
+        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x)).view(b, t, h, e)
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out
 
     def extra_repr(self) -> str:
         return (f"heads={self.n_heads}, head_dim={self.head_dim}, conv={self.conv_size}, "
-                f"chunk={self.chunk_size}, backend={self.backend!r}")
+                f"chunk={self.chunk_size}, backend={self.backend!r}, "
+                f"decay={self.decay_form!r}")
 
 
 __all__ = ["KimiDeltaAttention", "chunk_kda", "fla_available", "l2_normalize",

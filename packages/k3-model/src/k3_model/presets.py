@@ -31,6 +31,13 @@ from .config import K3Config
 # a dense first layer then LatentMoE with shared experts, SiTU-GLU everywhere.
 _K3: dict[str, Any] = dict(attention="hybrid", full_attention_every=4, mlp="moe", n_dense_layers=1,
            activation="situ")
+# Kimi Linear (Moonshot's hub model, what transformers' kimi_linear runs): hybrid KDA +
+# MLA (NoPE, no output gate), KDA's softplus decay and low-rank output gate, SwiGLU, a plain
+# residual, routed experts at full width.
+_KIMI_LINEAR: dict[str, Any] = dict(
+    attention="hybrid", full_attention_every=4, mlp="moe", n_dense_layers=1,
+    activation="swiglu", mla_gate=False, mla_norm_eps=1e-6,
+    kda_decay="softplus", attn_res_block_size=0, moe_latent_dim=0)
 
 PRESETS: Mapping[str, K3Config] = MappingProxyType(
     {
@@ -57,6 +64,24 @@ PRESETS: Mapping[str, K3Config] = MappingProxyType(
             v_head_dim=64, d_ff=2816,
             n_experts=64, moe_top_k=6, n_shared_experts=2, moe_d_ff=512, moe_latent_dim=512,
             loss_chunk_size=2048,  # never a (tokens, 65536) fp32 logits tensor
+        ),
+        # tiny's size in Kimi Linear's form: exports to the kimi_linear hub format.
+        "kimi-linear-tiny": K3Config(
+            vocab_size=256, d_model=128, n_layers=4, n_heads=4, max_seq_len=256,
+            **_KIMI_LINEAR, kda_chunk_size=32, kda_output_gate_rank=32,
+            q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+            v_head_dim=32, d_ff=384,
+            n_experts=8, moe_top_k=2, n_shared_experts=1, moe_d_ff=128, routed_scaling=2.446,
+        ),
+        # moonshotai/Kimi-Linear-48B-A3B's published shape (96 GB of bf16 weights: build it
+        # on the meta device to inspect it, or load the published weights on a GPU host).
+        "kimi-linear-48b-a3b": K3Config(
+            vocab_size=163840, d_model=2304, n_layers=27, n_heads=32, max_seq_len=1048576,
+            **_KIMI_LINEAR, kda_head_dim=128, kda_output_gate_rank=128,
+            q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128, d_ff=9216,
+            n_experts=256, moe_top_k=8, n_shared_experts=1, moe_d_ff=1024,
+            routed_scaling=2.446, loss_chunk_size=2048,
         ),
     }
 )
