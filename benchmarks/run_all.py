@@ -22,6 +22,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("optim", "bench_optim.py", []),
     ("qkclip", "bench_qkclip.py", []),
     ("checkpoint", "bench_checkpoint.py", []),
+    ("hub", "bench_hub.py", []),
     ("trainer", "bench_trainer.py", []),
     ("presets", "bench_presets.py", []),
     ("data", "bench_data.py", []),

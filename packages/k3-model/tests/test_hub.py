@@ -296,7 +296,7 @@ def test_not_a_folder_is_refused(tmp_path):
     with pytest.raises(HubFormatError, match="not a folder"):
         load_pretrained(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(HubFormatError, match="config.json not found"):
+    with pytest.raises(HubFormatError, match=r"config\.json not found"):
         load_pretrained(tmp_path / "empty")
 
 

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from .balancer import QuantileBalancer, expert_counts, quantile_bias
     from .checkpointing import CHECKPOINT_MODES
     from .config import K3Config
-    from .hub import load_pretrained, save_pretrained
     from .flops import ParameterCount, count_parameters, flops_per_token, kda_flops_per_token
+    from .hub import load_pretrained, save_pretrained
     from .kda import KimiDeltaAttention, chunk_kda, recurrent_kda
     from .loss import chunked_cross_entropy
     from .mlp import GatedMLP, SwiGLU, situ_glu

@@ -412,10 +412,8 @@ class KimiDeltaAttention(nn.Module):
 
     def output_gate(self, x: Tensor) -> Tensor:
         """``W_g x`` before the sigmoid: full rank (``g_proj``) or low rank (``g_b(g_a x)``)."""
-        if hasattr(self, "g_proj"):
-            out: Tensor = self.g_proj(x)
-            return out
-        return self.g_b(self.g_a(x))
+        out: Tensor = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b(self.g_a(x))
+        return out
 
     def _use_fla(self, x: Tensor) -> bool:
         if self.backend == "torch":

@@ -1,5 +1,5 @@
-"""The ``k3-train`` command: prepare data, train (fresh or ``--resume``), evaluate, sample,
-inspect.
+"""The ``k3-train`` command: prepare data, train (fresh, ``--resume`` or ``--init-from`` a
+hub folder), evaluate, sample, export to the hub format, inspect.
 
 User errors (bad flag or config value, missing data, an incompatible or corrupt
 checkpoint, a run directory that already holds a run) print one line and exit with
@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the run's folder: checkpoint, metrics.jsonl, run.json")
     train.add_argument("--data", type=Path, help="dataset folder (default: built-in corpus)")
     train.add_argument("--config", type=Path, help="TOML file: preset, [train], [model]")
+    train.add_argument("--init-from", type=Path, metavar="DIR",
+                       help="start a fresh run from the weights of a hub folder (k3-train "
+                       "export's, or a Kimi Linear/K3 model's): continued pretraining; its "
+                       "config.json is the model, so model flags may only set how it "
+                       "computes (e.g. --kda-chunk-size)")
     train.add_argument("--resume", action="store_true",
                        help="continue from RUN_DIR's checkpoint (checkpoint.pt, or the "
                             "sharded checkpoint.dcp of FSDP2; strictly validated)")
@@ -146,8 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps its model. Unless set, vocab_size grows to the data's tokenizer."),
         K3Config, dest_prefix=MODEL_FLAG, default_note=_preset_default)
 
-    evaluate = sub.add_parser("eval", help="validation loss of a run's latest checkpoint")
-    evaluate.add_argument("--run-dir", required=True, type=Path, help="the run to evaluate")
+    evaluate = sub.add_parser("eval", help="validation loss of a run's latest checkpoint "
+                              "or of a hub folder")
+    which = evaluate.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run-dir", type=Path, help="the run to evaluate")
+    which.add_argument("--model", type=Path, metavar="DIR",
+                       help="a hub folder to evaluate instead (k3-train export's; needs "
+                       "--data prepared with its tokenizer)")
     evaluate.add_argument("--data", type=Path,
                           help="dataset folder (default: the one the run trained on)")
     evaluate.add_argument("--batches", type=_batches, metavar="N|all",
@@ -156,8 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "than the split holds is clamped, with a note)")
     evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
 
-    sample = sub.add_parser("sample", help="continue a prompt with a run's checkpoint")
-    sample.add_argument("--run-dir", required=True, type=Path, help="the run to sample from")
+    sample = sub.add_parser("sample", help="continue a prompt with a run's checkpoint or a "
+                            "hub folder")
+    source = sample.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run-dir", type=Path, help="the run to sample from")
+    source.add_argument("--model", type=Path, metavar="DIR",
+                        help="a hub folder with its tokenizer.json to sample from instead")
     sample.add_argument("--prompt", default="", help="text to continue (default: a new "
                         "document)")
     sample.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N",
@@ -170,6 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0, metavar="N",
                         help="the same seed gives the same text (default 0)")
     sample.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+    export = sub.add_parser("export", help="write a run's model as a Hugging Face hub "
+                            "folder (transformers, vLLM, SGLang)")
+    export.add_argument("--run-dir", required=True, type=Path, help="the run to export")
+    export.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="the folder to write: config.json, model.safetensors, the "
+                        "tokenizer, generation_config.json")
+    export.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="weights' dtype (default fp32; the decay parameters and router "
+                        "bias stay fp32)")
+    export.add_argument("--data", type=Path,
+                        help="the run's dataset folder, for its tokenizer (default: the one "
+                        "the run trained on)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out folder (atomically)")
+    export.add_argument("--device", default="cpu", help="where the checkpoint is read "
+                        "(default cpu)")
 
     inspect = sub.add_parser("inspect", help="summarize a checkpoint without loading it")
     inspect.add_argument("checkpoint", type=Path,
@@ -307,20 +338,26 @@ def _run(args: argparse.Namespace, thread_note: str | None = None) -> int:
                             top_k=args.top_k, seed=args.seed)
         return runner.run_sample(runner.SampleCommand(args.run_dir, sampling,
                                                       prompt=args.prompt,
-                                                      device=_device(args.device)))
+                                                      device=_device(args.device),
+                                                      model_dir=args.model))
+    if args.command == "export":
+        return runner.run_export(args.run_dir, args.out, data=args.data, dtype=args.dtype,
+                                 device=_device(args.device), overwrite=args.overwrite)
     if args.command == "inspect":
         return runner.run_inspect(args.checkpoint)
     if args.command == "report":
         return runner.run_report(args.run_dir)
     if args.command == "eval":
-        return runner.run_eval(args.run_dir, args.data, args.batches, _device(args.device))
+        return runner.run_eval(args.run_dir, args.data, args.batches, _device(args.device),
+                               model_dir=args.model)
     return runner.run_train(runner.TrainCommand(
         args.run_dir, data=args.data, toml=_read_toml(args.config), resume=args.resume,
         preset=args.preset, overrides=given(args, TRAIN_FLAG),
         model_overrides=given(args, MODEL_FLAG), device=_device(args.device),
         report=args.report, tensorboard=args.tensorboard, profile_start=args.profile_start,
         profile_steps=args.profile_steps, allow_runtime_change=args.allow_runtime_change,
-        parallel=args.parallel, notes=(thread_note,) if thread_note else ()))
+        parallel=args.parallel, notes=(thread_note,) if thread_note else (),
+        init_from=args.init_from))
 
 
 def _what_is_kept(args: argparse.Namespace) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from k3_model import K3Config
 from k3_model import preset as model_preset
+from k3_model.hub import HubFormatError, pretrained_config
 
 from .checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, find_checkpoint
 from .config import ConfigError, TrainConfig
@@ -126,6 +127,8 @@ class TrainCommand:
     parallel: str = "none"
     notes: tuple[str, ...] = ()
     """One-line notes to print once the session is sure to train."""
+    init_from: Path | None = None
+    """A hub folder whose weights a fresh run starts from (continued pretraining)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ class Resolved:
     """The data folder the run's record names (to say which dataset a checkpoint needs)."""
     notes: tuple[str, ...] = ()
     """What resolving chose on the user's behalf, to say once the session is sure to train."""
+    init_from: Path | None = None
+    """The hub folder a fresh run loads its weights from (None: initialized from the seed,
+    or resumed from its checkpoint)."""
 
 
 def resolve(command: TrainCommand) -> Resolved:
@@ -180,7 +186,20 @@ def resolve(command: TrainCommand) -> Resolved:
                        "choose another --run-dir")
     model_fields = {**toml.get("model", {}), **command.model_overrides}
     notes: tuple[str, ...] = ()
-    if record is not None:
+    init_from = command.init_from
+    if init_from is not None and resume:
+        notes = (f"--init-from {init_from} is not read: the run's checkpoint holds its "
+                 "weights (it starts a run only)",)
+        init_from = None
+    if init_from is not None:
+        if preset is not None:
+            raise ConfigError(f"--init-from {init_from} and --preset {preset} both choose the "
+                              "model; drop --preset (the folder's config.json is the model)")
+        config = train_config_from({}, toml, command.overrides)
+        model_config = _pretrained_model_config(init_from, model_fields)
+        data_dir = resolve_data(command.data)
+        notes = _tokenizer_notes(init_from, data_dir)
+    elif record is not None:
         config = train_config_from(record["train_config"], toml, command.overrides)
         model_config = model_config_from(preset, model_fields, record["model_config"])
         data_dir = command.data or Path(record["data"]["dir"])
@@ -194,7 +213,26 @@ def resolve(command: TrainCommand) -> Resolved:
                                                             **command.overrides}
     recorded_data = record["data"]["dir"] if record is not None else None
     return Resolved(config, model_config, data_dir, found if resume else None, horizon_unset,
-                    recorded_data, notes)
+                    recorded_data, notes, init_from)
+
+
+def _pretrained_model_config(folder: Path, model_fields: dict[str, Any]) -> K3Config:
+    """The hub folder's model, with the model flags that do not contradict it (those that
+    only change how it computes, e.g. ``--kda-chunk-size``); a contradicting one is named."""
+    try:
+        return pretrained_config(folder, **model_fields)
+    except HubFormatError as exc:
+        raise ConfigError(f"--init-from {exc}") from None
+
+
+def _tokenizer_notes(folder: Path, data_dir: Path) -> tuple[str, ...]:
+    """Refuse data prepared with another tokenizer than the folder's."""
+    from .data import load_codec
+    from .hub import check_tokenizer
+
+    codec = load_codec(data_dir, read_manifest(data_dir))
+    note = check_tokenizer(folder, codec, data_dir, "--init-from")
+    return () if note is None else (note,)
 
 
 def _restart_record(run_dir: Path) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ import torch
 
 import k3_checkpoint
 from k3_model import K3Config, K3Model
+from k3_model.hub import HubFormatError, load_weights
 
 from .checkpoint import (
     CHECKPOINT,
@@ -36,6 +37,7 @@ from .data.options import PrepareOptions
 from .data.prepare import describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
 from .evaluation import evaluate_split
+from .hub import check_tokenizer, export_model, folder_codec, load_folder
 from .interrupt import StopOnSignal
 from .observe import (
     LogLines,
@@ -66,7 +68,8 @@ from .threads import THREADS_ENV
 from .trainer import Trainer
 
 __all__ = ["RunError", "SampleCommand", "TrainCommand", "build_trainer", "run_eval",
-           "run_inspect", "run_prepare", "run_report", "run_sample", "run_train"]
+           "run_export", "run_inspect", "run_prepare", "run_report", "run_sample",
+           "run_train"]
 
 
 def seed_everything(seed: int) -> None:
@@ -126,6 +129,11 @@ def build_trainer(resolved: Resolved, device: torch.device, parallel: Parallel |
     loaders = _loaders(config, resolved.model_config, resolved.data_dir, parallel)
     seed_everything(config.seed)
     model = K3Model(resolved.model_config).to(device)
+    if resolved.init_from is not None:  # continued pretraining: the folder's weights
+        try:
+            load_weights(model, resolved.init_from)
+        except HubFormatError as exc:
+            raise ConfigError(f"--init-from {exc}") from None
     distributed: bool | None = None
     if config.expert_parallel > 1 and parallel is None:
         raise ConfigError(f"--expert-parallel {config.expert_parallel} needs a torchrun launch "
@@ -216,7 +224,8 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
             data_dir=str(resolved.data_dir.resolve()),
             manifest_digest=trainer.loaders.train.manifest_digest, device=str(device),
             resumed_from_step=trainer.state.step if resolved.resume_from is not None else None,
-            data_parallel=parallel.describe() if parallel is not None else None))
+            data_parallel=parallel.describe() if parallel is not None else None,
+            init_from=None if resolved.init_from is None else str(resolved.init_from.resolve())))
         metrics = MetricsLog(run_dir / METRICS)
     except PermissionError as error:
         raise RunError(f"--run-dir {run_dir} is not writable ({error.strerror}: "
@@ -353,12 +362,33 @@ def _recorded_world_size(record: dict[str, Any]) -> int:
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
 
 
-def run_eval(run_dir: Path, data: Path | None, batches: int | str | None,
-             device: torch.device) -> int:
-    """``k3-train eval``: the validation loss of the run's checkpoint over ``batches`` full
-    batches from the start of the split (default: the run's ``eval_batches``; ``"all"``:
-    the whole split), with the number of tokens it measured."""
-    run = _restored(run_dir, data, device)
+def _pretrained(model_dir: Path, data: Path | None, device: torch.device,
+                flag: str = "--model") -> _Restored:
+    """A hub folder's model with the validation data it is evaluated on (``--data``,
+    prepared with the folder's tokenizer), read with the default recipe's batch shape."""
+    if data is None:
+        raise ConfigError(f"{flag} needs --data: a dataset prepared with the model's "
+                          "tokenizer (k3-train prepare ... --tokenizer MODEL/tokenizer.json)")
+    model = load_folder(model_dir, device)
+    config = TrainConfig(seq_len=min(TrainConfig().seq_len, model.config.max_seq_len))
+    loaders = _loaders(config, model.config, data, None)
+    note = check_tokenizer(model_dir, load_codec(data, loaders[0].manifest), data, flag)
+    if note is not None:
+        print(f"k3-train: note: {note}", file=sys.stderr)
+    return _Restored(model, config, TrainState(), loaders, data)
+
+
+def run_eval(run_dir: Path | None, data: Path | None, batches: int | str | None,
+             device: torch.device, model_dir: Path | None = None) -> int:
+    """``k3-train eval``: the validation loss of the run's checkpoint (or of the hub folder
+    ``model_dir``) over ``batches`` full batches from the start of the split (default: the
+    run's ``eval_batches``; ``"all"``: the whole split), with the number of tokens it
+    measured."""
+    if model_dir is not None:
+        run = _pretrained(model_dir, data, device)
+    else:
+        assert run_dir is not None
+        run = _restored(run_dir, data, device)
     val = run.loaders[1]
     available = (val.num_tokens - 1) // val.tokens_per_batch
     wanted = available if batches == "all" else int(batches or run.config.eval_batches)
@@ -368,30 +398,58 @@ def run_eval(run_dir: Path, data: Path | None, batches: int | str | None,
         wanted = available
     result = evaluate_split(run.model, val, device, wanted, run.config.precision)
     bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
-    print(f"step {run.state.step}: val_loss {result.loss:.4f}{bpb} "
+    where = f"step {run.state.step}" if model_dir is None else str(model_dir)
+    print(f"{where}: val_loss {result.loss:.4f}{bpb} "
           f"({result.tokens:,} tokens in {wanted} of {available} batches)")
     return 0
 
 
 @dataclass(frozen=True)
 class SampleCommand:
-    """``k3-train sample``'s arguments."""
+    """``k3-train sample``'s arguments: a run (``run_dir``) or a hub folder
+    (``model_dir``)."""
 
-    run_dir: Path
+    run_dir: Path | None
     sampling: Sampling
     prompt: str = ""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    model_dir: Path | None = None
 
 
 def run_sample(command: SampleCommand) -> int:
-    """Print the prompt and a continuation from the run's checkpoint (strictly loaded)."""
-    if find_checkpoint(command.run_dir) is None:
-        raise RunError(f"{command.run_dir / CHECKPOINT} not found: {command.run_dir} has no "
-                       "checkpoint to sample from; train it first")
-    run = _restored(command.run_dir, None, command.device)
+    """Print the prompt and a continuation from the run's checkpoint (strictly loaded) or
+    from a hub folder with its own tokenizer."""
+    if command.model_dir is not None:
+        codec = folder_codec(command.model_dir)
+        model = load_folder(command.model_dir, command.device)
+    else:
+        assert command.run_dir is not None
+        if find_checkpoint(command.run_dir) is None:
+            raise RunError(f"{command.run_dir / CHECKPOINT} not found: {command.run_dir} has "
+                           "no checkpoint to sample from; train it first")
+        run = _restored(command.run_dir, None, command.device)
+        model, codec = run.model, load_codec(run.data_dir, run.loaders[0].manifest)
+    print(sample_text(model, codec, command.prompt, command.sampling,
+                      max_seq_len=model.config.max_seq_len, device=command.device))
+    return 0
+
+
+def run_export(run_dir: Path, out: Path, *, data: Path | None, dtype: str,
+               device: torch.device, overwrite: bool = False) -> int:
+    """``k3-train export``: the run's latest checkpoint as a hub folder with its tokenizer."""
+    from k3_model.hub import hub_form
+
+    run = _restored(run_dir, data, device)
     codec = load_codec(run.data_dir, run.loaders[0].manifest)
-    print(sample_text(run.model, codec, command.prompt, command.sampling,
-                      max_seq_len=run.model.config.max_seq_len, device=command.device))
+    written = export_model(run.model.cpu(), codec, out, dtype=dtype, overwrite=overwrite)
+    size = sum(p.stat().st_size for p in written.iterdir())
+    form = hub_form(run.model.config)
+    loads = ("transformers (AutoModelForCausalLM), vLLM and SGLang load it"
+             if form == "kimi_linear" else
+             "Kimi K3's text-model names: SGLang's kimi_k3 loads them; transformers has no "
+             "kimi_k3 model")
+    print(f"k3-train: exported step {run.state.step} of {run_dir} to {written} "
+          f"({form}, {dtype}, {size / 2**20:.1f} MiB); {loads}")
     return 0
 
 

@@ -31,8 +31,15 @@ from .config import (
     to_hub_config,
     token_ids,
 )
-from .files import CONFIG, atomic_folder, read_headers, read_json, read_tensors, write_json, \
-    write_tensors
+from .files import (
+    CONFIG,
+    atomic_folder,
+    read_headers,
+    read_json,
+    read_tensors,
+    write_json,
+    write_tensors,
+)
 from .names import NOT_WEIGHTS, from_hub, hub_shapes, tensor_plan, to_hub
 
 GENERATION_CONFIG = "generation_config.json"
@@ -69,10 +76,8 @@ def save_pretrained(model: K3Model, path: str | Path, *, dtype: torch.dtype | No
     if dtype is not None:
         tensors = {name: t if not t.is_floating_point() or name.endswith(KEEP_FP32)
                    else t.to(dtype) for name, t in tensors.items()}
-    stored = tensors[next(iter(tensors))].dtype
-    (config_json["text_config"] if "text_config" in config_json else config_json)[
-        "dtype"] = _DTYPE_NAMES.get(stored, "float32")
-    config_json["dtype"] = _DTYPE_NAMES.get(stored, "float32")
+    stored = _DTYPE_NAMES.get(tensors[next(iter(tensors))].dtype, "float32")
+    config_json.get("text_config", config_json)["dtype"] = config_json["dtype"] = stored
     with atomic_folder(Path(path), overwrite=overwrite) as folder:
         write_tensors(folder, tensors, max_shard_bytes)
         write_json(folder / CONFIG, config_json)

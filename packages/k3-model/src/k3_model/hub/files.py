@@ -78,19 +78,33 @@ def _shards(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:
     return groups
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_file(tensors: Mapping[str, Tensor], path: Path) -> None:
+    """One safetensors file, readable as the umask allows (safetensors itself creates its
+    files 0600)."""
+    from safetensors.torch import save_file as write
+
+    write(dict(tensors), str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def write_tensors(folder: Path, tensors: Mapping[str, Tensor], max_shard_bytes: int) -> list[str]:
     """``model.safetensors``, or shards and ``model.safetensors.index.json``; the names of
     the files written."""
-    from safetensors.torch import save_file
 
     groups = _shards(tensors, max_shard_bytes)
     if len(groups) == 1:
-        save_file(dict(tensors), str(folder / SINGLE), metadata={"format": "pt"})
+        save_file(tensors, folder / SINGLE)
         return [SINGLE]
     files = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
     weight_map: dict[str, str] = {}
     for file, names in zip(files, groups):
-        save_file({n: tensors[n] for n in names}, str(folder / file), metadata={"format": "pt"})
+        save_file({n: tensors[n] for n in names}, folder / file)
         weight_map.update(dict.fromkeys(names, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})

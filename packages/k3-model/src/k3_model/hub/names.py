@@ -19,6 +19,7 @@ differs beyond a rename:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -65,8 +66,10 @@ def prefixes(config: K3Config) -> tuple[str, str]:
     return "language_model.model.", "language_model.lm_head.weight"
 
 
+@functools.lru_cache(maxsize=8)
 def _state_shapes(config: K3Config) -> dict[str, tuple[int, ...]]:
-    """The state dict's shapes, from a model built on the meta device (no memory)."""
+    """The state dict's shapes, from a model built on the meta device (no memory); one
+    build per config."""
     from ..model import K3Model
 
     with torch.device("meta"):
@@ -74,7 +77,8 @@ def _state_shapes(config: K3Config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def tensor_plan(config: K3Config) -> list[Entry]:
+@functools.lru_cache(maxsize=8)
+def tensor_plan(config: K3Config) -> tuple[Entry, ...]:
     """Every hub tensor of a model of ``config``, in state-dict order."""
     top, head = prefixes(config)
     k3 = hub_form(config) != KIMI_LINEAR
@@ -103,7 +107,7 @@ def tensor_plan(config: K3Config) -> list[Entry]:
         for suffix in ("norm.weight", "proj.weight"):
             plan.append(Entry(f"{top}layers.0.self_attention_res_{suffix}", "",
                               kind="placeholder"))
-    return plan
+    return tuple(plan)
 
 
 def _layer_entry(config: K3Config, top: str, name: str, parts: list[str],

@@ -68,6 +68,8 @@ class Session:
     device: str
     resumed_from_step: int | None = None
     data_parallel: dict[str, Any] | None = None
+    init_from: str | None = None
+    """The hub folder whose weights a fresh run started from (``--init-from``)."""
 
 
 def write_run_record(run_dir: str | Path, session: Session) -> None:
@@ -82,12 +84,15 @@ def write_run_record(run_dir: str | Path, session: Session) -> None:
                   preset=session.preset,
                   data={"dir": session.data_dir, "manifest_digest": session.manifest_digest})
     parallel = session.data_parallel
+    if session.init_from is not None:
+        record["init_from"] = session.init_from
     record["sessions"].append({
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": sys.argv,
         "resumed_from_step": session.resumed_from_step,
         "device": session.device,
         **({"data_parallel": parallel} if parallel is not None else {}),
+        **({"init_from": session.init_from} if session.init_from is not None else {}),
         "versions": versions(),
         "host": host(),
     })

@@ -1,0 +1,151 @@
+"""A run's model as a Hugging Face hub folder, and hub folders as models for the commands.
+
+``k3-train export`` writes the run's weights with :func:`k3_model.hub.save_pretrained`
+plus what a user of transformers expects beside them: the tokenizer (``tokenizer.json``,
+the run's own BPE or, for a byte-level run, an equivalent byte-level file) with its
+``tokenizer_config.json``, and ``generation_config.json`` whose eos is the run's
+end-of-document token. ``train --init-from``, ``eval --model`` and ``sample --model``
+read such folders back; the tokenizer a folder ships is checked against the data's.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from k3_model import K3Model
+from k3_model.hub import HubFormatError, load_pretrained, read_config, save_pretrained, token_ids
+
+from .config import ConfigError
+from .data import Codec
+from .data.tokenizer import BYTES_EOD, TOKENIZER_FILE, BytesCodec, HFCodec, byte_decoder
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+BYTE_EOD_NAME = "<|endoftext|>"
+"""The name the byte-level tokenizer file gives byte 0xFF, the byte runs' end of document."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@cache
+def byte_tokenizer_json() -> str:
+    """A ``tokenizers`` file that encodes text exactly as :class:`BytesCodec` does (id =
+    UTF-8 byte, byte-level pre-tokenization, no merges), with id 0xFF, which never occurs
+    in UTF-8 text, as the special end-of-document token."""
+    from .data.tokenizer import require_tokenizers
+
+    tk = require_tokenizers()
+    chars = {byte: char for char, byte in byte_decoder().items()}
+    vocab = {chars[b]: b for b in range(256) if b != BYTES_EOD}
+    vocab[BYTE_EOD_NAME] = BYTES_EOD
+    tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                          use_regex=False)
+    tokenizer.decoder = tk.decoders.ByteLevel()
+    tokenizer.add_special_tokens([tk.AddedToken(BYTE_EOD_NAME, special=True)])
+    return str(tokenizer.to_str())
+
+
+def _tokenizer_json(codec: Codec) -> str:
+    return codec.json_text if isinstance(codec, HFCodec) else byte_tokenizer_json()
+
+
+def tokenizer_files(codec: Codec, max_length: int) -> dict[str, str]:
+    """``tokenizer.json`` and ``tokenizer_config.json`` for the run's tokenizer."""
+    name = codec.eod_token if isinstance(codec, HFCodec) else BYTE_EOD_NAME
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name,
+              "eos_token": name, "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    return {TOKENIZER_FILE: _tokenizer_json(codec),
+            TOKENIZER_CONFIG: json.dumps(config, indent=2) + "\n"}
+
+
+def export_model(model: K3Model, codec: Codec, out: Path, *, dtype: str = "fp32",
+                 overwrite: bool = False) -> Path:
+    """Write ``model`` with the run's tokenizer into the hub folder ``out``."""
+    try:
+        return save_pretrained(model, out, dtype=DTYPES[dtype], bos_token_id=codec.eod_id,
+                               eos_token_id=codec.eod_id,
+                               extra_files=tokenizer_files(codec, model.config.max_seq_len),
+                               overwrite=overwrite)
+    except HubFormatError as exc:
+        raise ConfigError(f"export: {exc}") from None
+    except FileExistsError as exc:
+        raise ConfigError(f"--out {exc} (or pass --overwrite)") from None
+
+
+def _tokenizer_text(folder: Path) -> str | None:
+    path = folder / TOKENIZER_FILE
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} cannot be read: {exc}") from None
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+    try:
+        return bool(json.loads(a) == json.loads(b))
+    except json.JSONDecodeError:
+        return a == b
+
+
+def folder_codec(folder: Path) -> Codec:
+    """The tokenizer a hub folder ships (``BytesCodec`` for the byte-level file export
+    writes), with the folder's eos as end of document."""
+    text = _tokenizer_text(folder)
+    if text is None:
+        raise ConfigError(f"{folder} has no {TOKENIZER_FILE}: sampling needs the model's "
+                          "tokenizer beside it")
+    if _same_tokenizer(text, byte_tokenizer_json()):
+        return BytesCodec()
+    ids = _folder_token_ids(folder)
+    eos = ids.get("eos_token_id")
+    codec = HFCodec(text, source=str(folder / TOKENIZER_FILE))
+    if eos is not None:
+        name = codec.tokenizer.id_to_token(eos)
+        if name is None:
+            raise ConfigError(f"{folder}: eos_token_id {eos} is not in its {TOKENIZER_FILE}")
+        codec = HFCodec(text, name, source=str(folder / TOKENIZER_FILE))
+    return codec
+
+
+def _folder_token_ids(folder: Path) -> dict[str, int | None]:
+    generation = folder / "generation_config.json"
+    ids: dict[str, int | None] = {}
+    try:
+        ids = token_ids(read_config(folder))
+        if generation.is_file():
+            data = json.loads(generation.read_text(encoding="utf-8"))
+            eos = data.get("eos_token_id")
+            eos = eos[0] if isinstance(eos, list) and eos else eos
+            if isinstance(eos, int):
+                ids["eos_token_id"] = eos
+    except (HubFormatError, OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{folder}: {exc}") from None
+    return ids
+
+
+def check_tokenizer(folder: Path, codec: Codec, data_dir: Path, flag: str) -> str | None:
+    """Refuse data made with another tokenizer than the one ``folder`` ships; a note when
+    the folder ships none (nothing to compare)."""
+    text = _tokenizer_text(folder)
+    if text is None:
+        return (f"{flag} {folder} ships no {TOKENIZER_FILE}; make sure {data_dir} was "
+                "prepared with the model's tokenizer")
+    if not _same_tokenizer(text, _tokenizer_json(codec)):
+        raise ConfigError(f"{flag} {folder}: its {TOKENIZER_FILE} is not the tokenizer "
+                          f"{data_dir} was prepared with; the model only reads its own "
+                          "tokenizer's ids (prepare the data with --tokenizer "
+                          f"{folder / TOKENIZER_FILE})")
+    return None
+
+
+def load_folder(folder: Path, device: torch.device) -> K3Model:
+    """A hub folder's model on ``device`` (fp32 parameters), for eval and sample."""
+    try:
+        model = load_pretrained(folder, dtype=torch.float32)
+    except HubFormatError as exc:
+        raise ConfigError(f"--model {exc}") from None
+    return model.to(device)
