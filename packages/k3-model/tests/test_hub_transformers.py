@@ -1,6 +1,7 @@
 """The hub format proven against transformers' own ``kimi_linear`` model (an outside
 implementation): its folders load into ours and ours into it, with the same logits at
-prompt lengths that cross KDA's chunk boundaries, and the same greedy continuation.
+prompt lengths that cross KDA's chunk boundaries, and the same greedy continuation, by
+recomputing the prefix and by decoding with the cache.
 
 Skipped only where transformers is absent; its test environments pin it (the ``hub-test``
 extra: ``transformers==5.23.0``).
@@ -85,6 +86,9 @@ def test_our_export_loads_in_transformers_with_the_same_logits_and_greedy_tokens
             assert _relative(ours(x)[0], theirs(x).logits) < 1e-5, length
     prompt = torch.randint(0, 255, (1, 12), generator=generator)
     with torch.no_grad():
-        generated = theirs.generate(prompt, max_new_tokens=32, do_sample=False,
+        generated = theirs.generate(prompt, max_new_tokens=64, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)
-    assert generated[0, 12:].tolist() == _greedy(ours, prompt, 32)
+    expected = generated[0, 12:].tolist()
+    assert expected[:32] == _greedy(ours, prompt, 32)  # recomputing the prefix
+    # and decoding with our cache (KDA state, MLA latents): the same 64 tokens
+    assert ours.generate([prompt[0].tolist()], 64, temperature=0) == [expected]

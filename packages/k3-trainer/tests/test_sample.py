@@ -74,3 +74,67 @@ def test_context_is_truncated_and_sampling_stops_at_the_end_of_document():
     assert ids == [1, 2, 3, 4] and model.seen == [1, 2, 3, 3]
     assert sample_tokens(model, [0], Sampling(3, temperature=0), max_seq_len=3,
                          device="cpu") == [1, 2, 3]
+
+
+def test_num_samples_and_top_p_from_the_command_line(run, capsys):
+    code, out, err = _sample(capsys, run, "--num-samples", "3", "--seed", "2",
+                             "--temperature", "1.0")
+    assert code == 0, err
+    headers = [line for line in out.splitlines() if line.startswith("--- sample ")]
+    assert headers == [f"--- sample {i} of 3 ---" for i in (1, 2, 3)]
+    texts = out.split("--- sample ")[1:]
+    assert len(set(texts)) > 1  # three draws, not one repeated
+    greedy = _sample(capsys, run, "--temperature", "0")[1]
+    assert _sample(capsys, run, "--top-p", "0.000001", "--seed", "5")[1] == greedy
+    with pytest.raises(SystemExit) as exit_:
+        _sample(capsys, run, "--top-p", "1.5")
+    assert exit_.value.code == 2 and "(0, 1]" in capsys.readouterr().err
+
+
+def test_a_terminal_sees_the_text_as_it_is_produced(run):
+    """stdout on a pseudo-terminal: the same text, written token by token."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "k3_trainer.cli", "sample", "--run-dir", str(run),
+            "--prompt", "def ", "--max-new-tokens", "30", "--temperature", "0"]
+    plain = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    leader, follower = pty.openpty()
+    with subprocess.Popen(argv, stdout=follower, stderr=subprocess.DEVNULL) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                data = os.read(leader, 4096)
+            except OSError:  # the terminal closed: the command ended
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=300) == 0
+    os.close(leader)
+    shown = b"".join(chunks).decode("utf-8").replace("\r\n", "\n")
+    assert shown == plain.stdout
+
+
+def test_the_stream_holds_back_half_a_character():
+    from k3_trainer.data import BytesCodec
+    from k3_trainer.sample import TextStream
+
+    written: list[str] = []
+    stream = TextStream(BytesCodec(), written.append)
+    for token in "aé☃".encode():
+        stream(0, token)
+    assert written == ["a", "é", "☃"] and stream.shown == 3
+
+
+def test_a_model_without_generate_samples_by_recomputing():
+    from k3_trainer.data import BytesCodec
+    from k3_trainer.sample import sample_text
+
+    texts = sample_text(Counter(), BytesCodec(), "", Sampling(3, temperature=0, num_samples=2),
+                        max_seq_len=8, device="cpu")
+    assert texts == ["\x01\x02\x03"] * 2

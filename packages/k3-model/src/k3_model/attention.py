@@ -4,7 +4,8 @@ Each class declares which rows of which weight feed each head's logits (``qk_cli
 and carries a ``qk_observer`` attribute that :class:`k3_qkclip.QKClip` fills while it is
 active. ``observed_attention`` is plain ``F.scaled_dot_product_attention`` unless an
 observer is installed and the module is training; then it also records each head's
-exact maximum pre-softmax logit. No key/value cache: every forward starts from scratch.
+exact maximum pre-softmax logit. ``forward`` starts from scratch (training and evaluation);
+``forward_cached`` continues from a decoding cache (:mod:`k3_model.cache`).
 :func:`build_attention` also builds the KDA layers of a hybrid model
 (:mod:`k3_model.kda`), which take no part in QK-Clip: they L2-normalize q and k, so
 their logits are bounded by construction.
@@ -13,10 +14,12 @@ their logits are bounded by construction.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3_qkclip import QKObserver, QKSpec, observed_attention
 
+from .cache import KVCache, LatentCache, Step
 from .config import K3Config
 from .kda import KimiDeltaAttention
 from .norm import RMSNorm
@@ -62,6 +65,21 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(b, t, kv, e).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = observed_attention(q, k, v, self.qk_observer)
+        out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
+        return out
+
+    def forward_cached(self, x: Tensor, entry: KVCache, step: Step, cos: Tensor,
+                       sin: Tensor) -> Tensor:
+        """:meth:`forward` for ``T`` new tokens after the cached ones (``cos``/``sin`` at
+        the tokens' own positions, ``[B, 1, T, dim/2]``); appends their keys and values."""
+        b, t, _ = x.shape
+        h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
+        q = apply_rotary(self.q_proj(x).view(b, t, h, e).transpose(1, 2), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(b, t, kv, e).transpose(1, 2), cos, sin)
+        entry.k = _append(entry.k, k, 2)
+        entry.v = _append(entry.v, self.v_proj(x).view(b, t, kv, e).transpose(1, 2), 2)
+        y = F.scaled_dot_product_attention(q, entry.k, entry.v, attn_mask=step.attention_mask(),
+                                           enable_gqa=kv != h)
         out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
         return out
 
@@ -142,10 +160,43 @@ class MLAttention(nn.Module):
             k_shared = apply_rotary(k_shared, cos, sin)
         k = torch.cat([k_nope, k_shared.expand(b, h, t, dr)], dim=-1)
         y = observed_attention(q, k, v, self.qk_observer).transpose(1, 2).reshape(b, t, h * dv)
+        return self._output(x, y)
+
+    def _output(self, x: Tensor, y: Tensor) -> Tensor:
         if self.g_proj is not None:
             y = y * torch.sigmoid(self.g_proj(x))
         out: Tensor = self.o_proj(y)
         return out
+
+    def forward_cached(self, x: Tensor, entry: LatentCache, step: Step,
+                       rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """:meth:`forward` for ``T`` new tokens after the cached ones: caches each token's
+        normalized latent and shared key slice (rotated at its own position with RoPE,
+        ``rope`` ``[B, 1, T, rope/2]`` tables) and expands every cached latent into this
+        step's per-head keys and values."""
+        b, t, _ = x.shape
+        h, dn, dr, dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
+        q = self.q_up(self.q_norm(self.q_down(x))) if self.q_rank else self.q_proj(x)
+        q = q.view(b, t, h, dn + dr).transpose(1, 2)
+        latent, k_shared = self.kv_down(x).split([self.kv_rank, dr], dim=-1)
+        if self.rope:
+            if rope is None:
+                raise ValueError("MLAttention with RoPE needs the rotary tables cos and sin")
+            q_nope, q_rope = q.split([dn, dr], dim=-1)
+            q = torch.cat([q_nope, apply_rotary(q_rope, *rope)], dim=-1)
+            k_shared = apply_rotary(k_shared.unsqueeze(1), *rope).squeeze(1)
+        entry.latent = _append(entry.latent, self.kv_norm(latent), 1)
+        entry.k_shared = _append(entry.k_shared, k_shared, 1)
+        total = entry.latent.shape[1]
+        kv = self.kv_up(entry.latent).view(b, total, h, dn + dv).transpose(1, 2)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k = torch.cat([k_nope, entry.k_shared.unsqueeze(1).expand(b, h, total, dr)], dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attention_mask())
+        return self._output(x, y.transpose(1, 2).reshape(b, t, h * dv))
+
+
+def _append(cached: Tensor | None, new: Tensor, dim: int) -> Tensor:
+    return new if cached is None else torch.cat([cached, new], dim=dim)
 
 
 def build_attention(config: K3Config, kind: str) -> GQAttention | MLAttention | KimiDeltaAttention:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache import KDAState
 from .norm import RMSNorm
 
 CHUNK_SIZES = (16, 32, 64)
@@ -302,7 +303,8 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 class KimiDeltaAttention(nn.Module):
     """The K3 KDA layer: short-conv q/k/v, per-channel gated delta rule, gated RMSNorm out.
 
-    Every forward starts from a zero state (training: no cache leaks between batches).
+    Every forward starts from a zero state (training: no cache leaks between batches);
+    ``forward_cached`` continues from a decoding state (:mod:`k3_model.cache`).
     Parameters: ``q_proj``/``k_proj``/``v_proj`` (per-head row blocks, see
     ``muon_heads``), ``q_conv``/``k_conv``/``v_conv`` (depthwise causal, 3-D weights),
     ``f_a``/``f_b`` (low-rank forget gate), ``b_proj`` (β), ``g_proj`` (output gate),
@@ -447,6 +449,38 @@ class KimiDeltaAttention(nn.Module):
         else:
             o, _ = chunk_kda(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size,
                              gate_lower_bound=self.decay_bound)
+        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x)).view(b, t, h, e)
+        out: Tensor = self.o_proj(o.reshape(b, t, h * e))
+        return out
+
+    def forward_cached(self, x: Tensor, entry: KDAState, real: Tensor) -> Tensor:
+        """:meth:`forward` for ``T`` new tokens continuing from ``entry`` (the recurrent
+        state and the convolution's tail), which it advances. ``real`` ``[B, T]``: padded
+        inputs are zeroed, so they write nothing and a sequence's state is its own. One
+        token at a time runs the recurrence, longer steps the chunked form."""
+        b, t, _ = x.shape
+        h, e = self.n_heads, self.head_dim
+        x = x * real[..., None].to(x.dtype)
+        tails = entry.tails or tuple(x.new_zeros(b, self.conv_size - 1, h * e)
+                                     for _ in range(3))
+        mixed, new_tails = [], []
+        for conv, proj, tail in zip((self.q_conv, self.k_conv, self.v_conv),
+                                    (self.q_proj, self.k_proj, self.v_proj), tails):
+            full = torch.cat([tail, proj(x)], dim=1)  # [B, kernel − 1 + T, C]
+            new_tails.append(full[:, full.shape[1] - (self.conv_size - 1):])
+            y = F.conv1d(full.transpose(1, 2), conv.weight, groups=conv.weight.shape[0])
+            mixed.append(F.silu(y).transpose(1, 2).reshape(b, t, h, e))
+        q, k, v = l2_normalize(mixed[0]), l2_normalize(mixed[1]), mixed[2]
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if t == 1:
+            o, state = recurrent_kda(q, k, v, g, beta, scale=e**-0.5,
+                                     initial_state=entry.state, output_final_state=True)
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, scale=e**-0.5, chunk_size=self.chunk_size,
+                                 gate_lower_bound=self.decay_bound,
+                                 initial_state=entry.state, output_final_state=True)
+        entry.state, entry.tails = state, (new_tails[0], new_tails[1], new_tails[2])
         o = self.o_norm(o) * torch.sigmoid(self.output_gate(x)).view(b, t, h, e)
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out

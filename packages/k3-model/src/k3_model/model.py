@@ -2,8 +2,9 @@
 
 ``forward(x, targets=None) -> (logits, loss)``, loss the mean token cross-entropy
 (chunked, and logits None, when ``config.loss_chunk_size > 0``: :mod:`k3_model.loss`). No
-state survives a call (no KV cache, every KDA recurrence starts from zero), which is
-what the trainer assumes. Layer l mixes tokens with the kind ``config.layer_types()[l]``
+state survives a call (every KDA recurrence starts from zero), which is what the trainer
+assumes; generation continues from a cache instead (``forward_cached``, ``generate``:
+:mod:`k3_model.cache`). Layer l mixes tokens with the kind ``config.layer_types()[l]``
 names (KDA, Gated MLA or GQA) and has a dense GLU MLP (the first ``n_dense_layers``) or
 a MoE. The residual stream is plain pre-norm, or block Attention Residuals
 (:mod:`k3_model.attn_res`) when ``attn_res_block_size > 0``. Either way one
@@ -17,7 +18,7 @@ The optimizer routing is declared, not guessed: :meth:`K3Model.parameter_groups`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from .attention import GQAttention, MLAttention, build_attention
 from .attn_res import ResidualRead, inverse_rms
 from .balancer import QuantileBalancer
+from .cache import DecodeCache, Decoding, KDAState, KVCache, LatentCache
 from .checkpointing import CheckpointMode, check_mode, checkpointed
 from .config import K3Config
 from .flops import flops_per_token
@@ -45,6 +47,7 @@ class Block(nn.Module):
 
     def __init__(self, config: K3Config, index: int):
         super().__init__()
+        self.index = index
         self.kind = config.layer_types()[index]
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn: GQAttention | MLAttention | KimiDeltaAttention = build_attention(
@@ -60,9 +63,13 @@ class Block(nn.Module):
             self.attn_res = ResidualRead(config.d_model, config.norm_eps) if index else None
             self.mlp_res = ResidualRead(config.d_model, config.norm_eps)
 
-    def mix(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        """The token mixer's output for the layer input ``x`` (pre-norm applied here)."""
+    def mix(self, x: Tensor, rope: tuple[Tensor, Tensor] | None,
+            decoding: Decoding | None = None) -> Tensor:
+        """The token mixer's output for the layer input ``x`` (pre-norm applied here);
+        with ``decoding``, continuing from this layer's cache."""
         h = self.attn_norm(x)
+        if decoding is not None:
+            return self._mix_cached(h, rope, decoding)
         if isinstance(self.attn, KimiDeltaAttention):
             out: Tensor = self.attn(h)
         elif rope is None:
@@ -70,6 +77,18 @@ class Block(nn.Module):
         else:
             out = self.attn(h, *rope)
         return out
+
+    def _mix_cached(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
+                    decoding: Decoding) -> Tensor:
+        entry, step = decoding.cache.layers[self.index], decoding.step
+        if isinstance(self.attn, KimiDeltaAttention):
+            assert isinstance(entry, KDAState)
+            return self.attn.forward_cached(h, entry, step.real)
+        if isinstance(self.attn, MLAttention):
+            assert isinstance(entry, LatentCache)
+            return self.attn.forward_cached(h, entry, step, rope)
+        assert isinstance(entry, KVCache) and rope is not None
+        return self.attn.forward_cached(h, entry, step, *rope)
 
     def feed(self, x: Tensor) -> Tensor:
         """The MLP's output for ``x`` (pre-norm applied here)."""
@@ -82,6 +101,7 @@ class Block(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         blocks: list[Tensor] | None = None,
         block_inv_rms: list[Tensor] | None = None,
+        decoding: Decoding | None = None,
     ) -> Tensor:
         """The layer's output residual state.
 
@@ -93,10 +113,10 @@ class Block(nn.Module):
         """
         if blocks is None:
             assert x is not None
-            x = x + self.mix(x, rope)
+            x = x + self.mix(x, rope, decoding)
             return x + self.feed(x)
         assert block_inv_rms is not None
-        out = self.mix(_read(self.attn_res, blocks, block_inv_rms, x), rope)
+        out = self.mix(_read(self.attn_res, blocks, block_inv_rms, x), rope, decoding)
         partial = out if x is None else x + out
         return partial + self.feed(_read(self.mlp_res, blocks, block_inv_rms, partial))
 
@@ -196,13 +216,7 @@ class K3Model(nn.Module):
                 f"({self.config.max_seq_len}); raise max_seq_len or shorten the batch"
             )
         rope = self.rotary(t) if self.rotary is not None else None
-        h = self.embed(x)
-        if self.final_res is None:
-            for layer in self.layers:
-                h = self._run_layer(layer, h, rope)
-        else:
-            h = self._attn_res_forward(h, rope)
-        h = self.norm(h)
+        h = self.norm(self._layers(self.embed(x), rope))
         if targets is None:
             return self.lm_head(h), None
         if self.config.loss_chunk_size:
@@ -212,15 +226,69 @@ class K3Model(nn.Module):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
-    def _run_layer(self, layer: nn.Module, *args: Any) -> Tensor:
+    def _layers(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
+                decoding: Decoding | None = None) -> Tensor:
+        """Every layer on the embedded tokens ``h``, plain or with Attention Residuals."""
+        if self.final_res is not None:
+            return self._attn_res_forward(h, rope, decoding)
+        for layer in self.layers:
+            h = self._run_layer(layer, h, rope, decoding=decoding)
+        return h
+
+    @torch.no_grad()
+    def forward_cached(self, x: Tensor, cache: DecodeCache, real: Tensor | None = None
+                       ) -> Tensor:
+        """Logits ``(B, T, vocab)`` for ``T`` new tokens ``x`` continuing the sequences
+        ``cache`` holds (:meth:`new_cache`), which it advances: a prefill of any length,
+        then one token (or a few) at a time. Equal to the full :meth:`forward` over each
+        whole sequence, position by position. ``real`` ``(B, T)`` bool marks left padding
+        (False) when prompts of different lengths share one prefill: padded inputs and keys
+        are ignored, but KDA's chunks then start at other tokens, so the sums round
+        differently (fp32: ~1e-5 relative); :meth:`generate` prefills each length apart
+        and merges the caches instead. No gradients."""
+        if x.ndim != 2:
+            raise ValueError(f"K3Model: x must be (batch, seq) token ids, got shape "
+                             f"{tuple(x.shape)}")
+        if real is None:
+            real = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+        lengths = real.sum(dim=1) if cache.lengths is None else cache.lengths + real.sum(1)
+        if int(lengths.max()) > self.config.max_seq_len:
+            raise ValueError(f"K3Model: a sequence of {int(lengths.max())} tokens exceeds "
+                             f"K3Config.max_seq_len ({self.config.max_seq_len})")
+        step = cache.advance(real)
+        rope = None
+        if self.rotary is not None:
+            rope = (self.rotary.cos[step.positions][:, None],
+                    self.rotary.sin[step.positions][:, None])
+        h = self._layers(self.embed(x), rope, Decoding(cache, step))
+        logits: Tensor = self.lm_head(self.norm(h))
+        return logits
+
+    def new_cache(self) -> DecodeCache:
+        """An empty decoding cache for :meth:`forward_cached` (one entry per layer)."""
+        return DecodeCache.empty(self.config)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, stop_ids: Iterable[int] = (),
+                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+        """New token ids for each prompt, decoded with the cache (see
+        :func:`k3_model.generate.generate`)."""
+        from .generate import generate
+
+        return generate(self, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, stop_ids=stop_ids, on_token=on_token)
+
+    def _run_layer(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
         """``layer(*args)``, under activation checkpointing when it is on and autograd
         records (an eval or ``no_grad`` forward has nothing to save)."""
         if self._checkpointing == "block" and torch.is_grad_enabled():
             return checkpointed(layer, *args)
-        out: Tensor = layer(*args)
+        out: Tensor = layer(*args, **kwargs)
         return out
 
-    def _attn_res_forward(self, h: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    def _attn_res_forward(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
+                          decoding: Decoding | None = None) -> Tensor:
         """Block Attention Residuals (see :mod:`k3_model.attn_res`); block 0 = ``h``.
 
         The partial sum is committed at each block start *before* the layer runs (its
@@ -237,7 +305,8 @@ class K3Model(nn.Module):
                 blocks.append(partial)
                 inv_rms.append(inverse_rms(partial, eps))
                 partial = None
-            partial = self._run_layer(layer, partial, rope, list(blocks), list(inv_rms))
+            partial = self._run_layer(layer, partial, rope, list(blocks), list(inv_rms),
+                                      decoding=decoding)
         assert self.final_res is not None and partial is not None
         return _read(self.final_res, blocks, inv_rms, partial)
 

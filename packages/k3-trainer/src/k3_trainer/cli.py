@@ -55,6 +55,16 @@ def _preset_default(name: str, _default: Any) -> str:
         f"{preset} {shown(getattr(config, name))}" for preset, config in PRESETS.items())
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def _batches(text: str) -> int | str:
     return "all" if text == "all" else _positive_int(text)
 
@@ -176,11 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "document)")
     sample.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N",
                         help="tokens to generate at most; the end-of-document token stops "
-                        "earlier (default 200)")
+                        "earlier, and a prompt keeps only its last tokens that leave room for "
+                        "them in the model's max_seq_len (default 200)")
     sample.add_argument("--temperature", type=float, default=0.8, metavar="T",
                         help="0 = always the most likely token (default 0.8)")
     sample.add_argument("--top-k", type=_positive_int, metavar="K",
                         help="sample among the K most likely tokens only (default: all)")
+    sample.add_argument("--top-p", type=_probability, metavar="P",
+                        help="sample among the most likely tokens whose probability reaches "
+                        "P (nucleus sampling; default: all)")
+    sample.add_argument("--num-samples", type=_positive_int, default=1, metavar="N",
+                        help="continuations of the prompt, drawn in one batch (default 1)")
     sample.add_argument("--seed", type=int, default=0, metavar="N",
                         help="the same seed gives the same text (default 0)")
     sample.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -334,8 +350,12 @@ def _run(args: argparse.Namespace, thread_note: str | None = None) -> int:
             shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
             shuffle_seed=None if args.no_shuffle else args.shuffle_seed))
     if args.command == "sample":
-        sampling = Sampling(args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, seed=args.seed)
+        try:
+            sampling = Sampling(args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, seed=args.seed, top_p=args.top_p,
+                                num_samples=args.num_samples)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return runner.run_sample(runner.SampleCommand(args.run_dir, sampling,
                                                       prompt=args.prompt,
                                                       device=_device(args.device),

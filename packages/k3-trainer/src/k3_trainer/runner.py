@@ -61,7 +61,7 @@ from .resolve import (
     resolve,
     train_config_from,
 )
-from .sample import Sampling, sample_text
+from .sample import Sampling, TextStream, sample_text
 from .schedule import horizon_notes
 from .state import TrainState
 from .threads import THREADS_ENV
@@ -429,8 +429,20 @@ def run_sample(command: SampleCommand) -> int:
                            "no checkpoint to sample from; train it first")
         run = _restored(command.run_dir, None, command.device)
         model, codec = run.model, load_codec(run.data_dir, run.loaders[0].manifest)
-    print(sample_text(model, codec, command.prompt, command.sampling,
-                      max_seq_len=model.config.max_seq_len, device=command.device))
+    many = command.sampling.num_samples > 1
+    stream = TextStream(codec) if sys.stdout.isatty() and not many else None
+    if stream is not None:  # a terminal: the text as it is produced
+        print(command.prompt, end="", flush=True)
+    texts = sample_text(model, codec, command.prompt, command.sampling,
+                        max_seq_len=model.config.max_seq_len, device=command.device,
+                        stream=stream)
+    for number, text in enumerate(texts, 1):
+        if stream is not None:
+            print(text[len(command.prompt) + stream.shown:])  # what was held back, if any
+            continue
+        if many:
+            print(f"--- sample {number} of {len(texts)} ---")
+        print(text)
     return 0
 
 

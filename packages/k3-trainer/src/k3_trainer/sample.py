@@ -1,20 +1,24 @@
-"""Sampling a continuation from a trained model (``k3-train sample``).
+"""Sampling continuations from a trained model (``k3-train sample``).
 
-No KV cache: each new token recomputes the forward over the context, truncated to the
-model's ``max_seq_len``. That is quadratic in the length but simple and exact, which is
-what a check of a run needs. Draws use one CPU ``torch.Generator`` seeded by the caller,
-so a seed gives the same text on any device whose logits agree.
+A model with a ``generate`` method (K3Model's: KDA's recurrent state and MLA's latent
+cache, :mod:`k3_model.generate`) decodes with it, all samples in one batch. Any other
+model falls back to :func:`sample_tokens`, which recomputes the forward over the context
+for every new token (quadratic, but it needs nothing from the model beyond its forward).
+Draws use one CPU ``torch.Generator`` seeded by the caller, so a seed gives the same text
+on any device whose logits agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from k3_checkpoint import capture_rng, restore_rng
+from k3_model.generate import pick
 
 from .data import Codec
 
@@ -22,46 +26,46 @@ from .data import Codec
 @dataclass(frozen=True)
 class Sampling:
     """How tokens are drawn: ``temperature == 0`` takes the most likely token; ``top_k``
-    keeps only the k most likely before drawing; ``seed`` seeds the draws."""
+    keeps only the k most likely and ``top_p`` the smallest set whose probability reaches
+    p before drawing; ``seed`` seeds the draws; ``num_samples`` continuations of the one
+    prompt."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_k: int | None = None
     seed: int = 0
+    top_p: float | None = None
+    num_samples: int = 1
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or (self.top_k is not None and self.top_k < 1) or (
+                self.top_p is not None and not 0 < self.top_p <= 1) or self.num_samples < 1:
+            raise ValueError("sample: temperature must be >= 0, top_k >= 1, top_p in (0, 1] "
+                             "and num_samples >= 1")
 
 
 @torch.no_grad()
 def sample_tokens(model: nn.Module, prompt: Sequence[int], sampling: Sampling, *,
                   max_seq_len: int, device: torch.device | str, stop_id: int | None = None
                   ) -> list[int]:
-    """Up to ``sampling.max_new_tokens`` ids drawn after ``prompt`` (stops after
-    ``stop_id``). The global RNG and the model's training flag are left as they were."""
-    max_new_tokens, temperature = sampling.max_new_tokens, sampling.temperature
-    top_k, seed = sampling.top_k, sampling.seed
+    """Up to ``sampling.max_new_tokens`` ids drawn after ``prompt`` by recomputing the
+    forward over the context (truncated to ``max_seq_len``) for every token; stops after
+    ``stop_id``. The global RNG and the model's training flag are left as they were."""
     if not prompt:
         raise ValueError("sample: the prompt must hold at least one token")
-    if temperature < 0 or (top_k is not None and top_k < 1):
-        raise ValueError("sample: temperature must be >= 0 and top_k >= 1")
     device = torch.device(device)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(sampling.seed)
     context = list(prompt)
     new: list[int] = []
     was_training, rng = model.training, capture_rng()
     model.eval()
     try:
-        for _ in range(max_new_tokens):
+        for _ in range(sampling.max_new_tokens):
             x = torch.tensor([context[-max_seq_len:]], dtype=torch.long, device=device)
             logits = model(x)
-            logits = (logits[0] if isinstance(logits, tuple) else logits)[0, -1].float().cpu()
-            if temperature == 0:
-                token = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if top_k is not None and top_k < logits.numel():
-                    cutoff = torch.topk(logits, top_k).values[-1]
-                    logits = logits.masked_fill(logits < cutoff, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
+            logits = (logits[0] if isinstance(logits, tuple) else logits)[:, -1]
+            token = int(pick(logits, temperature=sampling.temperature, top_k=sampling.top_k,
+                             top_p=sampling.top_p, generator=generator)[0])
             context.append(token)
             new.append(token)
             if token == stop_id:
@@ -72,14 +76,53 @@ def sample_tokens(model: nn.Module, prompt: Sequence[int], sampling: Sampling, *
     return new
 
 
+class TextStream:
+    """Prints one sample's text as its tokens arrive, holding back a token that ends in
+    the middle of a UTF-8 character until the next one completes it."""
+
+    def __init__(self, codec: Codec, write: Callable[[str], object] | None = None) -> None:
+        self.codec = codec
+        self.write = write if write is not None else sys.stdout.write
+        self.tokens: list[int] = []
+        self.shown = 0
+
+    def __call__(self, _row: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.codec.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return
+        self.write(text[self.shown:])
+        self.shown = len(text)
+        sys.stdout.flush()
+
+
 def sample_text(model: nn.Module, codec: Codec, prompt: str, sampling: Sampling, *,
-                max_seq_len: int, device: torch.device | str) -> str:
-    """``prompt`` followed by its sampled continuation, decoded.
+                max_seq_len: int, device: torch.device | str,
+                stream: TextStream | None = None) -> list[str]:
+    """``sampling.num_samples`` texts, each ``prompt`` followed by a continuation.
 
     The context starts with the end-of-document token, as every document after the first
-    does in the shards, and sampling stops when the model ends the document.
+    does in the shards, and each sample stops when the model ends the document. With a
+    ``generate`` method the prompt keeps its last tokens that leave room for the new ones
+    in ``max_seq_len`` (the cache holds the whole sequence). ``stream`` (one sample only)
+    receives the tokens as they are produced.
     """
     ids = [codec.eod_id, *codec.encode_batch([prompt])[0].tolist()] if prompt else [codec.eod_id]
-    new = sample_tokens(model, ids, sampling, max_seq_len=max_seq_len, device=device,
-                        stop_id=codec.eod_id)
-    return prompt + codec.decode(new)
+    generate = getattr(model, "generate", None)
+    if callable(generate):
+        new_tokens = min(sampling.max_new_tokens, max_seq_len - 1)
+        ids = ids[-(max_seq_len - new_tokens):]
+        rng = capture_rng()
+        try:
+            continuations = generate([ids] * sampling.num_samples, new_tokens,
+                                     temperature=sampling.temperature, top_k=sampling.top_k,
+                                     top_p=sampling.top_p, seed=sampling.seed,
+                                     stop_ids=(codec.eod_id,), on_token=stream)
+        finally:
+            restore_rng(rng)
+    else:
+        continuations = [sample_tokens(model, ids, Sampling(
+            sampling.max_new_tokens, sampling.temperature, sampling.top_k,
+            sampling.seed + i, sampling.top_p), max_seq_len=max_seq_len, device=device,
+            stop_id=codec.eod_id) for i in range(sampling.num_samples)]
+    return [prompt + codec.decode(new) for new in continuations]
