@@ -4,8 +4,8 @@ The prompts are prefilled (one forward per prompt length) and their caches merge
 left-padded batch; then every step feeds each sequence's new token (one forward of ``B``
 tokens), so the cost per token is one token through the layers plus MLA's attention over
 the cached latents, instead of the whole prefix again. A sequence that produced a stop id
-stops growing (the batch goes on for the others). Draws come from one CPU ``torch.Generator`` seeded by ``seed``: the
-same call gives the same tokens.
+stops growing (the batch goes on for the others). Draws come from one CPU
+``torch.Generator`` seeded by ``seed``: the same call gives the same tokens.
 """
 
 from __future__ import annotations
