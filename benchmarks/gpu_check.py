@@ -7,7 +7,10 @@ Run on a CUDA machine (sized for under 6 minutes on one H200; see ``--time-limit
 Sections (``--sections`` picks a subset, in this order): ``ns_correctness`` (NS error per
 dtype against fp64), ``ns_throughput`` (bf16 NS TFLOP/s against a bf16 matmul; goal ≥ 0.9
 at 4096²), ``optimizer_step`` (MuonAdamW vs torch's Muon+AdamW), ``kda`` (our chunk_kda
-vs flash-linear-attention's kernel: agreement, forward and forward+backward time), and
+vs flash-linear-attention's kernel: agreement, forward and forward+backward time),
+``decode`` (generation with the cache: cached logits against the full forward in fp32,
+then decode tokens/s against recomputing the prefix, ``small`` in bf16 at contexts 1024 and
+4096, batch 1 and 8; fla's fused recurrent kernel when installed), and
 ``train`` (the ``base`` hybrid preset, ~1 B parameters, bf16 autocast, regionally compiled
 then eager: tokens/s, MFU against the dense bf16 peak, peak memory), and
 ``expert_parallel`` (with 2 or more GPUs: FSDP2 against FSDP2 with the experts split over
@@ -43,9 +46,9 @@ from k3_optim import MuonAdamW, newton_schulz
 # of k3_trainer.observe.window.PEAK_TFLOPS["bf16"], so this script runs with only k3-optim.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                     "A10G": 70.0, "RTX 4090": 165.0}
-SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "train",
+SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "decode", "train",
             "expert_parallel")
-NEEDS_K3_MODEL = ("kda", "train", "expert_parallel")
+NEEDS_K3_MODEL = ("kda", "decode", "train", "expert_parallel")
 TRAIN_RESERVE_S = 200.0  # what earlier sections leave for ``train`` when it is selected
 MFU_GOAL, NS_GOAL = 0.40, 0.90
 
@@ -234,6 +237,15 @@ def markdown(results: dict[str, Any]) -> str:
     for case, row in kda.get("timings", {}).items():
         figures = ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in row.items())
         rows.append((f"KDA {case}", figures, ""))
+    decode = results.get("decode", {})
+    if "agreement_fp32_max_rel" in decode:
+        rows.append((f"decode {decode.get('preset', '')}: cached vs full forward, fp32",
+                     f"max rel {decode['agreement_fp32_max_rel']:.1e}", "≤ 1e-5"))
+    for case, row in decode.get("rows", {}).items():
+        figure = (", ".join(f"{k} {_fmt(v, ',.0f')}" for k, v in row.items())
+                  if "skipped" not in row else str(row["skipped"]))
+        rows.append((f"decode {decode.get('preset', '')} bf16 {case}", figure,
+                     "speedup ≥ 20 at 1024" if "1024" in case else ""))
     train = results.get("train", {})
     for variant in ("compiled", "eager"):
         r = train.get(variant)
@@ -283,6 +295,7 @@ def _run_section(name: str, ctx: Context) -> bool:
 
         fns: dict[str, Callable[[Context, dict[str, Any]], None]] = {
             "kda": gpu_check_k3.kda,
+            "decode": gpu_check_k3.decode,
             "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device)),
             "expert_parallel": gpu_check_k3.expert_parallel}
     else:

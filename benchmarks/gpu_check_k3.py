@@ -365,3 +365,65 @@ def expert_parallel(ctx: Context, out: dict[str, Any]) -> None:
     out["bytes_ratio_ep_to_fsdp"] = ep["expert_bytes_per_step"] / fsdp["expert_bytes_per_step"]
     ctx.log(f"expert_parallel: {world} ranks, step EP/FSDP {out['step_ratio_ep_to_fsdp']:.3f}, "
             f"expert bytes EP/FSDP {out['bytes_ratio_ep_to_fsdp']:.3f}")
+
+
+def decode(ctx: Context, out: dict[str, Any]) -> None:
+    """Generation with the cache on the GPU: cached logits against the full forward (fp32),
+    then decode tokens/s with the cache against recomputing the prefix (bf16 weights), at
+    contexts 1024 and 4096, batch 1 and 8; fla's fused recurrent kernel when installed."""
+    from k3_model import K3Model, preset
+
+    device, smoke = ctx.device, ctx.smoke
+    _, fla_note = _fla() if device.type == "cuda" else (None, "CUDA only")
+    out["fla"] = fla_note
+    name = "tiny" if smoke else "small"
+    contexts, batches, steps = ([64], [1], 4) if smoke else ([1024, 4096], [1, 8], 32)
+    torch.manual_seed(0)
+    model = K3Model(preset(name, max_seq_len=max(contexts) + steps + 8)).to(device).eval()
+    x = torch.randint(0, model.config.vocab_size, (2, 200 if not smoke else 40),
+                      device=device)
+    with torch.no_grad():
+        full = model(x)[0]
+    cache = model.new_cache()
+    cut = x.shape[1] - 8
+    parts = [model.forward_cached(x[:, :cut], cache)]
+    parts += [model.forward_cached(x[:, i:i + 1], cache) for i in range(cut, x.shape[1])]
+    got = torch.cat(parts, dim=1)
+    out["agreement_fp32_max_rel"] = float((got - full).abs().max() / full.abs().max())
+    ctx.log(f"decode: cached vs full forward, fp32 {name}: max rel "
+            f"{out['agreement_fp32_max_rel']:.2e}")
+    model = model.to(torch.bfloat16)
+    rows: dict[str, Any] = {}
+    out["preset"], out["rows"] = name, rows
+    for context in contexts:
+        for batch in batches:
+            if not ctx.has(30):
+                rows[f"context={context} batch={batch}"] = {"skipped": "time limit"}
+                continue
+            ids = torch.randint(0, model.config.vocab_size, (batch, context + steps),
+                                device=device)
+            cache = model.new_cache()
+            prefill = ctx.time(lambda: model.forward_cached(ids[:, :context],
+                                                            model.new_cache()), 1)
+            model.forward_cached(ids[:, :context], cache)
+
+            def cached(cache: Any = cache, ids: torch.Tensor = ids,
+                       context: int = context) -> None:
+                for i in range(context, context + steps):
+                    model.forward_cached(ids[:, i:i + 1], cache)
+
+            def recompute(ids: torch.Tensor = ids, context: int = context) -> None:
+                with torch.no_grad():
+                    for i in range(context, context + 4):
+                        model(ids[:, :i + 1])
+
+            decode_s = ctx.time(cached, 1, warmup=0)
+            recompute_s = ctx.time(recompute, 1)
+            row = {"prefill_tokens_per_s": batch * context / prefill,
+                   "decode_tokens_per_s": batch * steps / decode_s,
+                   "recompute_tokens_per_s": batch * 4 / recompute_s}
+            row["speedup"] = row["decode_tokens_per_s"] / row["recompute_tokens_per_s"]
+            rows[f"context={context} batch={batch}"] = row
+            ctx.save()
+            ctx.log(f"decode context {context} batch {batch}: " + ", ".join(
+                f"{k} {v:,.1f}" for k, v in row.items()))

@@ -105,6 +105,8 @@ def test_solve_runs_in_fp32_under_bf16_autocast(monkeypatch):
         o, s = chunk_kda(**x16, output_final_state=True, chunk_size=16)
     assert seen and set(seen) == {torch.float32}
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    step, state = recurrent_kda(**x16, output_final_state=True)  # the decode step's kernel
+    assert step.dtype == torch.bfloat16 and state.dtype == torch.float32
     o32, _ = chunk_kda(**{n: t.float() for n, t in x16.items()}, chunk_size=16)
     assert rel(o, o32) < 1e-2  # only the bf16 rounding of the output
     seen.clear()

@@ -78,7 +78,7 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     """
     _check(q, k, v, g, beta, initial_state)
     b, t, h, dk = q.shape
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    dtype, out_dtype = _compute_dtype(q, k, v, g, beta, initial_state), v.dtype
     scale = dk**-0.5 if scale is None else scale
     with torch.autocast(q.device.type, enabled=False):
         q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
@@ -93,7 +93,7 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
             state = state + (beta[:, i, :, None] * k_i)[..., None] * error[..., None, :]
             outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, state))
         o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
-    return o.to(v.dtype), (state if output_final_state else None)
+    return o.to(out_dtype), (state if output_final_state else None)
 
 
 def _chunked(x: Tensor, chunk: int, dtype: torch.dtype) -> Tensor:
@@ -272,6 +272,13 @@ def _fla_chunk_kda() -> Any:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     return fla_chunk_kda
+
+
+def _fla_kernel(name: str) -> Any:
+    """One of flash-linear-attention's KDA kernels by name, imported only when asked for."""
+    import fla.ops.kda as fla_kda
+
+    return getattr(fla_kda, name)
 
 
 @functools.cache
@@ -468,12 +475,19 @@ class KimiDeltaAttention(nn.Module):
                                     (self.q_proj, self.k_proj, self.v_proj), tails):
             full = torch.cat([tail, proj(x)], dim=1)  # [B, kernel − 1 + T, C]
             new_tails.append(full[:, full.shape[1] - (self.conv_size - 1):])
-            y = F.conv1d(full.transpose(1, 2), conv.weight, groups=conv.weight.shape[0])
-            mixed.append(F.silu(y).transpose(1, 2).reshape(b, t, h, e))
+            # The depthwise causal conv as windows times taps: for a step of a few tokens
+            # far cheaper than a conv1d call (whose setup dominates at T = 1 on CPU).
+            windows = full.unfold(1, self.conv_size, 1)  # [B, T, C, kernel]
+            y = (windows * conv.weight[:, 0].to(windows.dtype)).sum(-1)
+            mixed.append(F.silu(y).reshape(b, t, h, e))
         q, k, v = l2_normalize(mixed[0]), l2_normalize(mixed[1]), mixed[2]
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if t == 1:
+        if self._use_fla(x):  # fla's kernels: fused recurrent for one token, else chunked
+            fla_kda = _fla_kernel("fused_recurrent_kda" if t == 1 else "chunk_kda")
+            o, state = fla_kda(q, k, v, g, beta, scale=e**-0.5, initial_state=entry.state,
+                               output_final_state=True, use_qk_l2norm_in_kernel=False)
+        elif t == 1:
             o, state = recurrent_kda(q, k, v, g, beta, scale=e**-0.5,
                                      initial_state=entry.state, output_final_state=True)
         else:
