@@ -23,6 +23,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("qkclip", "bench_qkclip.py", []),
     ("checkpoint", "bench_checkpoint.py", []),
     ("hub", "bench_hub.py", []),
+    ("generate", "bench_generate.py", []),
     ("trainer", "bench_trainer.py", []),
     ("presets", "bench_presets.py", []),
     ("data", "bench_data.py", []),
