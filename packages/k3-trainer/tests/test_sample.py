@@ -138,3 +138,15 @@ def test_a_model_without_generate_samples_by_recomputing():
     texts = sample_text(Counter(), BytesCodec(), "", Sampling(3, temperature=0, num_samples=2),
                         max_seq_len=8, device="cpu")
     assert texts == ["\x01\x02\x03"] * 2
+
+
+def test_sample_and_eval_build_no_optimizer(run, capsys, monkeypatch):
+    import k3_trainer.runner as runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sample and eval must not build an optimizer")
+
+    monkeypatch.setattr(runner, "build_optimizer", refuse)
+    monkeypatch.setattr(runner, "MuonAdamW", refuse, raising=False)
+    assert _sample(capsys, run, "--temperature", "0")[0] == 0
+    assert main(["eval", "--run-dir", str(run)]) == 0

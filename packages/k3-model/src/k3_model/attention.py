@@ -78,7 +78,7 @@ class GQAttention(nn.Module):
         k = apply_rotary(self.k_proj(x).view(b, t, kv, e).transpose(1, 2), cos, sin)
         entry.k = _append(entry.k, k, 2)
         entry.v = _append(entry.v, self.v_proj(x).view(b, t, kv, e).transpose(1, 2), 2)
-        y = F.scaled_dot_product_attention(q, entry.k, entry.v, attn_mask=step.attention_mask(),
+        y = F.scaled_dot_product_attention(q, entry.k, entry.v, attn_mask=step.attention_mask,
                                            enable_gqa=kv != h)
         out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
         return out
@@ -191,7 +191,7 @@ class MLAttention(nn.Module):
         kv = self.kv_up(entry.latent).view(b, total, h, dn + dv).transpose(1, 2)
         k_nope, v = kv.split([dn, dv], dim=-1)
         k = torch.cat([k_nope, entry.k_shared.unsqueeze(1).expand(b, h, total, dr)], dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attention_mask())
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attention_mask)
         return self._output(x, y.transpose(1, 2).reshape(b, t, h * dv))
 
 

@@ -17,6 +17,7 @@ convolution tail are exactly those of the sequence alone).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -68,9 +69,11 @@ class Step:
     key_real: Tensor
     past: int
 
+    @functools.cached_property
     def attention_mask(self) -> Tensor:
         """``[B, 1, T, past + T]`` bool: query i sees key j when j is at or before it and
-        real (a padded query sees itself, so no row is empty)."""
+        real (a padded query sees itself, so no row is empty); built once per step, for
+        every softmax layer."""
         t, total = self.real.shape[1], self.key_real.shape[1]
         query = torch.arange(t, device=self.real.device)[:, None] + self.past
         key = torch.arange(total, device=self.real.device)[None, :]
