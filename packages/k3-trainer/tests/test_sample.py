@@ -150,3 +150,16 @@ def test_sample_and_eval_build_no_optimizer(run, capsys, monkeypatch):
     monkeypatch.setattr(runner, "MuonAdamW", refuse, raising=False)
     assert _sample(capsys, run, "--temperature", "0")[0] == 0
     assert main(["eval", "--run-dir", str(run)]) == 0
+
+
+def test_what_does_not_fit_in_max_seq_len_is_said(run, capsys):
+    """The cache holds the whole sequence: the run's max_seq_len is 32."""
+    code, out, err = _sample(capsys, run, "--max-new-tokens", "40", "--temperature", "0")
+    assert code == 0 and "--max-new-tokens 40 does not fit" in err and "at most 31" in err
+    capsys.readouterr()
+    code = main(["sample", "--run-dir", str(run), "--prompt", "y" * 40, "--max-new-tokens",
+                 "10", "--temperature", "0"])
+    err = capsys.readouterr().err
+    assert code == 0 and "the prompt is 41 tokens; its last 22 are read" in err
+    code, _, err = _sample(capsys, run, "--max-new-tokens", "8")
+    assert code == 0 and "note" not in err

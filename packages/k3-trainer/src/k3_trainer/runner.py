@@ -32,7 +32,7 @@ from .checkpoint.sharded import describe_sharded, is_sharded
 from .compiling import prepare_model
 from .config import ConfigError, TrainConfig
 from .contract import check_model
-from .data import TokenDataLoader, check_vocab_fits, load_codec
+from .data import Codec, TokenDataLoader, check_vocab_fits, load_codec
 from .data.options import PrepareOptions
 from .data.prepare import describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
@@ -429,6 +429,9 @@ def run_sample(command: SampleCommand) -> int:
                            "no checkpoint to sample from; train it first")
         run = _restored(command.run_dir, None, command.device)
         model, codec = run.model, load_codec(run.data_dir, run.loaders[0].manifest)
+    if callable(getattr(model, "generate", None)):
+        _note_room(codec, command.prompt, command.sampling.max_new_tokens,
+                   model.config.max_seq_len)
     many = command.sampling.num_samples > 1
     stream = TextStream(codec) if sys.stdout.isatty() and not many else None
     if stream is not None:  # a terminal: the text as it is produced
@@ -444,6 +447,22 @@ def run_sample(command: SampleCommand) -> int:
             print(f"--- sample {number} of {len(texts)} ---")
         print(text)
     return 0
+
+
+def _note_room(codec: Codec, prompt: str, new_tokens: int, max_seq_len: int) -> None:
+    """Say what decoding with the cache leaves out: the cache holds the whole sequence, so
+    the new tokens and the prompt's last tokens must fit in ``max_seq_len``."""
+    if new_tokens > max_seq_len - 1:
+        print(f"k3-train: note: --max-new-tokens {new_tokens} does not fit in the model's "
+              f"max_seq_len {max_seq_len}; generating at most {max_seq_len - 1}",
+              file=sys.stderr)
+        new_tokens = max_seq_len - 1
+    length = 1 + (len(codec.encode_batch([prompt])[0]) if prompt else 0)
+    room = max_seq_len - new_tokens
+    if length > room:
+        print(f"k3-train: note: the prompt is {length} tokens; its last {room} are read, "
+              f"leaving room for {new_tokens} new ones in max_seq_len {max_seq_len}",
+              file=sys.stderr)
 
 
 def run_export(run_dir: Path, out: Path, *, data: Path | None, dtype: str,
