@@ -1,6 +1,7 @@
-"""``Trainer``: one training run's parts, built once, and ``fit()``, the spec's update loop.
+"""``Trainer``: one training run's parts, built once, and ``fit()``, the update loop of the
+training contract (``docs/training-contract.md``).
 
-One attempted update, in the spec's order: reset QK observations → schedule LR for
+One attempted update, in the contract's order: reset QK observations → schedule LR for
 ``step + 1`` on every group → per microbatch: data, forward under autocast, finite-loss
 check, backward, token count → unscale, clip, ``qk_clip.validate()`` →
 ``scaler.step``/``update`` → ``qk_clip.apply()`` after a real step (``reset()`` after a
@@ -224,7 +225,8 @@ class Trainer:
         return value
 
     def _attempt(self, qk_clip: QKClip) -> _Attempt:
-        """One attempted update for successful step ``state.step + 1``, in the spec's order."""
+        """One attempted update for successful step ``state.step + 1``, in the order of the
+        training contract (docs/training-contract.md, §1)."""
         config, profiler, scaler = self.config, self.profiler, self.scaler
         step = self.state.step + 1
         self.callbacks.attempt_start(self, step)
@@ -269,7 +271,7 @@ class Trainer:
             qk_clip.validate(qk_nonfinite)
             scaler.step(self.optimizer)
             scaler.update()
-            # The spec's "the scale dropped": GradScaler.update() multiplies the scale by
+            # The contract's "the scaler skipped": GradScaler.update() multiplies the scale by
             # backoff_factor (< 1) exactly when unscale_ found an inf/NaN, which is also
             # exactly when scaler.step skipped the optimizer. Reading found-inf with the
             # norm spares the two get_scale() syncs; the scaler state is read when a
@@ -385,7 +387,7 @@ def _host_values(norm: torch.Tensor, qk_nonfinite: torch.Tensor | None,
                  overflow: torch.Tensor | None) -> tuple[float, bool, bool]:
     """``(grad_norm, qk_nonfinite, overflow)`` on the host in one device→host copy.
 
-    Per update the loop syncs once per microbatch (the spec's finite-loss check) and once
+    Per update the loop syncs once per microbatch (the contract's finite-loss check) and once
     here; everything else (QK statistics, MoE routing counts) stays on the device until
     a logging boundary reads it.
     """
