@@ -75,6 +75,23 @@ def test_a_stop_on_a_checkpoint_step_saves_once(data_dir, tmp_path):
     assert [e["step"] for e in log.events if e["event"] == "checkpoint"] == [3]
 
 
+def test_a_stop_is_honoured_once_and_a_later_fit_trains_on(data_dir, tmp_path):
+    """The request is spent by the stop it caused: the next fit() on the same Trainer
+    trains to max_steps instead of doing one update, saving and raising again."""
+    config = train_config(max_steps=5)
+    model, opt, tl, vl = build_parts(config, data_dir)
+    log = MetricsLog(None)
+    trainer = Trainer(model, opt, (tl, vl), config, checkpoint_path=tmp_path / "ck.pt",
+                      callbacks=[log])
+    trainer.request_stop()
+    with pytest.raises(TrainingInterrupted):
+        trainer.fit()
+    assert trainer.state.step == 1
+    assert trainer.fit().step == 5
+    assert [e.get("interrupted") for e in log.events if e["event"] == "session_end"] == [
+        "SIGINT", None]
+
+
 def test_without_a_checkpoint_path_the_stop_says_nothing_was_saved(data_dir):
     config = train_config(max_steps=6)
     model, opt, tl, vl = build_parts(config, data_dir)

@@ -140,18 +140,6 @@ def test_a_model_without_generate_samples_by_recomputing():
     assert texts == ["\x01\x02\x03"] * 2
 
 
-def test_sample_and_eval_build_no_optimizer(run, capsys, monkeypatch):
-    import k3_trainer.runner as runner
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("sample and eval must not build an optimizer")
-
-    monkeypatch.setattr(runner, "build_optimizer", refuse)
-    monkeypatch.setattr(runner, "MuonAdamW", refuse, raising=False)
-    assert _sample(capsys, run, "--temperature", "0")[0] == 0
-    assert main(["eval", "--run-dir", str(run)]) == 0
-
-
 def test_what_does_not_fit_in_max_seq_len_is_said(run, capsys):
     """The cache holds the whole sequence: the run's max_seq_len is 32."""
     code, out, err = _sample(capsys, run, "--max-new-tokens", "40", "--temperature", "0")

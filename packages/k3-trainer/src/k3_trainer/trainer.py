@@ -192,6 +192,7 @@ class Trainer:
                     **self.profiler.summary(),
                     **({"interrupted": signal.Signals(stop).name} if stop is not None else {}))
         if stop is not None:
+            self._stop_signal, self._agreed_stop = None, 0  # spent: a later fit() trains on
             raise TrainingInterrupted(self.state.step, stop, self.checkpoint_path)
         return self.state
 
