@@ -9,7 +9,10 @@ import pytest
 import torch
 from trainer_helpers import InjectAt, assert_same_state, build_parts, fit, train_config
 
+from k3_checkpoint import read_payload
+
 from k3_trainer import (
+    Callback,
     ConfigError,
     FP16SkipHarness,
     MetricsLog,
@@ -113,15 +116,47 @@ def test_fp16_style_skip_consumes_data_but_not_the_schedule(data_dir):
     opt.register_step_pre_hook(lambda o, *_: lrs.append(o.param_groups[0]["lr"]))
     opt.register_step_post_hook(lambda o, *_: real_steps.append(1))
     log = MetricsLog(None)
-    state = fit(wrapped, opt, (tl, vl), config, callbacks=[log], grad_scaler=_scaler()).state
+    trainer = fit(wrapped, opt, (tl, vl), config, callbacks=[log], grad_scaler=_scaler())
+    state = trainer.state
     assert state.step == 5 and state.skipped_updates == 1
     assert state.tokens_seen == 6 * config.tokens_per_update  # the skipped attempt counted
     assert len(real_steps) == 5
     assert lrs == pytest.approx([learning_rate_at_step(config, s) for s in range(1, 6)])
     overflow = [e for e in log.events if e["event"] == "overflow"]
     assert len(overflow) == 1 and overflow[0]["step"] == 3 and overflow[0]["scale"] == 512.0
-    assert state.grad_scaler_state is not None and state.grad_scaler_state["scale"] == 512.0
+    assert trainer.scaler.state_dict()["scale"] == 512.0
     assert tl.offset == 6 * config.batch_size * config.seq_len  # the retry used new data
+
+
+def test_a_direct_checkpoint_save_holds_the_live_scaler_state(data_dir, tmp_path):
+    """The loss scaler is itself the checkpoint component: a save at any moment (here a
+    callback's, mid-run, after a skip and a growth step) holds its state as it is now."""
+    config = train_config(max_steps=4)
+    model, opt, tl, vl = build_parts(config, data_dir)
+    seen: dict[str, object] = {}
+
+    class SaveAt3(Callback):
+        def on_step_end(self, trainer, stats):
+            if trainer.state.step == 3:
+                seen["live"] = trainer.scaler.state_dict()
+                trainer.checkpointer.save(tmp_path / "direct.pt", step=3)
+
+    scaler = _scaler()
+    trainer = fit(InjectAt(model, calls={2}), opt, (tl, vl), config, grad_scaler=scaler,
+                  callbacks=[SaveAt3()])
+    saved = read_payload(tmp_path / "direct.pt")["grad_scaler"]
+    assert saved == seen["live"] and saved["_growth_tracker"] == 2  # two growth steps since
+    assert trainer.state.skipped_updates == 1
+
+
+def test_31_skips_a_success_and_31_more_do_not_raise(data_dir):
+    """The consecutive-skip count starts again after every successful update."""
+    config = train_config(max_steps=3)
+    model, opt, tl, vl = build_parts(config, data_dir)
+    skips = set(range(1, 32)) | set(range(33, 64))  # attempt 32 succeeds
+    state = fit(InjectAt(model, calls=skips), opt, (tl, vl), config,
+                grad_scaler=FP16SkipHarness(init_scale=2.0**80, growth_interval=1000)).state
+    assert (state.step, state.skipped_updates) == (3, 62)
 
 
 def test_32_consecutive_skips_raise(data_dir):
@@ -183,7 +218,7 @@ def test_bf16_autocast_training_keeps_fp32_masters(data_dir):
     model, opt, tl, vl, state, log = _run(config, data_dir)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(math.isfinite(e["loss"]) for e in log.events if e["event"] == "train")
-    assert state.grad_scaler_state is None  # no scaler for bf16
+    assert not Trainer(model, opt, (tl, vl), config).scaler.is_enabled()  # none for bf16
 
 
 def test_data_with_a_larger_vocabulary_than_the_model_is_refused(data_dir):

@@ -1,4 +1,5 @@
-"""``TrainState``: the counters that persist across sessions, a checkpoint component itself.
+"""``TrainState``: the counters that persist across sessions, a checkpoint component itself;
+``ScalerState``: the loss scaler as one.
 
 ``step`` counts successful optimizer updates; ``tokens_seen`` counts every consumed
 microbatch, including attempts whose update an FP16 overflow later skipped. Both restore
@@ -13,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 _COUNTS = ("step", "tokens_seen", "skipped_updates")
 _SCALER_FLOATS = ("scale", "growth_factor", "backoff_factor")
 _SCALER_INTS = ("growth_interval", "_growth_tracker")
@@ -20,14 +23,12 @@ _SCALER_INTS = ("growth_interval", "_growth_tracker")
 
 @dataclass
 class TrainState:
-    """The counters of a run (checkpointed as ``counters``) and the FP16 GradScaler's
-    state (checkpointed as ``grad_scaler``, through :meth:`grad_scaler`)."""
+    """The counters of a run (checkpointed as ``counters``)."""
 
     step: int = 0
     tokens_seen: int = 0
     fixed_batch_offset: int | None = None
     skipped_updates: int = 0
-    grad_scaler_state: dict[str, Any] | None = field(default=None, repr=False)
     fixed_batch_limit: int | None = field(default=None, repr=False, compare=False)
     """The last offset at which the training data holds a complete batch, set by the
     trainer in overfit mode; a restored ``fixed_batch_offset`` past it is refused."""
@@ -58,26 +59,27 @@ class TrainState:
             setattr(self, name, saved[name])
         self.fixed_batch_offset = offset
 
-    def grad_scaler(self) -> GradScalerState:
-        """The GradScaler state kept here, as its own checkpoint component."""
-        return GradScalerState(self)
 
 
-class GradScalerState:
-    """``TrainState.grad_scaler_state`` as a checkpoint component: ``None`` (no loss
-    scaling) or ``torch.amp.GradScaler.state_dict()``, checked field by field before it is
-    taken, so a forged scale never reaches the scaler after the weights were restored."""
+class ScalerState:
+    """The run's loss scaler as its own checkpoint component, read from the live scaler
+    whenever a checkpoint is written (so no copy of it can go stale): an enabled scaler's
+    ``state_dict()``, or ``None`` for no loss scaling. A saved state is checked field by
+    field before the scaler takes it, so a forged scale never reaches it; a checkpoint
+    without one leaves the scaler as it is."""
 
-    def __init__(self, state: TrainState) -> None:
-        self.state = state
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
 
     def state_dict(self) -> dict[str, Any] | None:
-        return self.state.grad_scaler_state
+        return self.scaler.state_dict() if self.scaler.is_enabled() else None
 
     def load_state_dict(self, saved: Any, /) -> None:
-        if saved is not None:
-            check_grad_scaler_state(saved)
-        self.state.grad_scaler_state = None if saved is None else dict(saved)
+        if saved is None:
+            return
+        check_grad_scaler_state(saved)
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(dict(saved))
 
 
 def check_grad_scaler_state(saved: Any) -> None:

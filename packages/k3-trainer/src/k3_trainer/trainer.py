@@ -41,7 +41,7 @@ from .precision import (
     validate_precision,
 )
 from .schedule import learning_rate_at_step
-from .state import TrainState
+from .state import ScalerState, TrainState
 
 MAX_CONSECUTIVE_SKIPS = 32
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -124,7 +124,7 @@ class Trainer:
             "model": self.model,
             "optimizer": self.optimizer,
             "counters": self.state,
-            "grad_scaler": self.state.grad_scaler(),
+            "grad_scaler": ScalerState(self.scaler),
             "loaders": {"train": self.loaders.train, "val": self.loaders.val},
         }
         if self.callbacks.states():
@@ -144,8 +144,6 @@ class Trainer:
         prepare_model(self.model, config)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler.is_enabled() and self.state.grad_scaler_state is not None:
-            self.scaler.load_state_dict(self.state.grad_scaler_state)
         self._fixed_batch: Batch | None = None
         if config.overfit_batch and self.state.fixed_batch_offset is not None:
             self._fixed_batch = _to_device(
@@ -183,8 +181,6 @@ class Trainer:
             if stop is not None and self.checkpoint_path is not None and \
                     self._saved_step != self.state.step:
                 self.save_checkpoint()
-        self.state.grad_scaler_state = (self.scaler.state_dict() if self.scaler.is_enabled()
-                                        else None)
         self._event("session_end", step=self.state.step, tokens_seen=self.state.tokens_seen,
                     skipped_updates=self.state.skipped_updates,
                     compile_s=(None if compile_clock.seconds is None
@@ -294,7 +290,6 @@ class Trainer:
         the next data."""
         self.state.skipped_updates += 1
         self.window.skipped += 1
-        self.state.grad_scaler_state = self.scaler.state_dict()
         self._event("overflow", step=attempt.step, scale=self.scaler.get_scale(),
                     skipped_updates=self.state.skipped_updates,
                     tokens_seen=self.state.tokens_seen)
@@ -348,8 +343,6 @@ class Trainer:
         digest."""
         assert self.checkpoint_path is not None, "this trainer has no checkpoint_path"
         with self.profiler.region("checkpoint"):
-            self.state.grad_scaler_state = (self.scaler.state_dict()
-                                            if self.scaler.is_enabled() else None)
             digest = self.checkpointer.save(self.checkpoint_path, step=self.state.step)
         self._saved_step = self.state.step
         self._event("checkpoint", step=self.state.step, path=str(self.checkpoint_path),
