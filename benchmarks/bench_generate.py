@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import print_table, write_json
 
+from common import print_table, write_json
 from k3_model import K3Model, preset
 from k3_model.cache import cache_bytes_formula
 from k3_model.hub import save_pretrained

@@ -403,8 +403,10 @@ def decode(ctx: Context, out: dict[str, Any]) -> None:
             ids = torch.randint(0, model.config.vocab_size, (batch, context + steps),
                                 device=device)
             cache = model.new_cache()
-            prefill = ctx.time(lambda: model.forward_cached(ids[:, :context],
-                                                            model.new_cache()), 1)
+            def prefill_once(ids: torch.Tensor = ids, context: int = context) -> None:
+                model.forward_cached(ids[:, :context], model.new_cache())
+
+            prefill = ctx.time(prefill_once, 1)
             model.forward_cached(ids[:, :context], cache)
 
             def cached(cache: Any = cache, ids: torch.Tensor = ids,

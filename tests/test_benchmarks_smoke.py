@@ -23,7 +23,8 @@ def test_quick_suite_runs_every_benchmark(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     suite = json.loads(out.read_text())["suite"]
-    assert set(suite) == {"optim", "qkclip", "checkpoint", "hub", "generate", "trainer", "presets", "model",
+    assert set(suite) == {"optim", "qkclip", "checkpoint", "hub", "generate", "trainer",
+                          "presets", "model",
                           "data", "compile", "distributed", "cli", "threads", "quality",
                           "gpu_check"}
     for name, entry in suite.items():

@@ -10,7 +10,6 @@ import torch
 from trainer_helpers import InjectAt, assert_same_state, build_parts, fit, train_config
 
 from k3_checkpoint import read_payload
-
 from k3_trainer import (
     Callback,
     ConfigError,
