@@ -9,9 +9,12 @@ Test code only; the package never imports it.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,6 +32,15 @@ from k3_trainer import (
     build_optimizer,
 )
 from k3_trainer.distributed import init_parallel, shutdown
+
+
+def _rng_digest() -> str:
+    """The global Python, NumPy and torch CPU generators' states, digested: a rank that
+    rolls a refused resume back must leave them as they were."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    digest.update(np.random.get_state()[1].tobytes())
+    digest.update(repr(random.getstate()).encode())
+    return digest.hexdigest()
 
 
 def local(value: object) -> object:
@@ -188,8 +200,13 @@ def main() -> int:
         def fingerprint() -> tuple[str, ...]:
             return (tree_digest(full_state(model)), tree_digest(local(optimizer.state_dict())),
                     tree_digest(trainer.state.state_dict()),
-                    tree_digest(ema.state_dict() if ema is not None else None))
+                    tree_digest(ema.state_dict() if ema is not None else None),
+                    _rng_digest())
 
+        # Move every generator past the checkpoint's saved state (training here draws
+        # none), so a load that restored them and a rollback that forgot to put them back
+        # would show.
+        torch.rand(1), random.random(), np.random.rand()
         before = fingerprint()
         try:
             trainer.resume(args.resume)
