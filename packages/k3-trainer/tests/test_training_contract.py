@@ -10,7 +10,6 @@ from torch import nn
 from trainer_helpers import MLA_MOE_MODEL, InjectAt, build_parts, fit, train_config
 
 from k3_trainer import (
-    Callback,
     ConfigError,
     FP16SkipHarness,
     MetricsLog,
