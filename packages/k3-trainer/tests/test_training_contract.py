@@ -112,7 +112,7 @@ def test_the_attempt_clock_counts_skipped_attempts_too(data_dir):
                   grad_scaler=FP16SkipHarness(init_scale=2.0**10, growth_interval=1000))
     assert trainer.state.skipped_updates == 1
     assert trainer.profiler.attempts == 4
-    assert [e for e in log.events if e["event"] == "session_end"][0]["attempts"] == 4
+    assert next(e for e in log.events if e["event"] == "session_end")["attempts"] == 4
 
 
 @pytest.mark.parametrize("dtype", ["fp64", "bf16"])
