@@ -10,16 +10,28 @@ stops growing (the batch goes on for the others). Draws come from one CPU
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .cache import DecodeCache
+from .config import K3Config
 
-if TYPE_CHECKING:
-    from .model import K3Model
+
+class CachedDecoder(Protocol):
+    """What generation needs of a model (:class:`~k3_model.K3Model` has it)."""
+
+    config: K3Config
+    training: bool
+
+    def forward_cached(self, x: Tensor, cache: DecodeCache, real: Tensor | None = None
+                       ) -> Tensor: ...
+    def new_cache(self) -> DecodeCache: ...
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+    def eval(self) -> Any: ...
+    def train(self, mode: bool = True) -> Any: ...
 
 
 def pick(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
@@ -63,7 +75,7 @@ def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: f
                          "generate fewer tokens")
 
 
-def prefill(model: K3Model, prompts: Sequence[Sequence[int]], device: torch.device
+def prefill(model: CachedDecoder, prompts: Sequence[Sequence[int]], device: torch.device
             ) -> tuple[DecodeCache, Tensor]:
     """The batch's cache after the prompts, and each prompt's last logits ``(B, V)``.
 
@@ -88,7 +100,7 @@ def prefill(model: K3Model, prompts: Sequence[Sequence[int]], device: torch.devi
 
 
 @torch.no_grad()
-def generate(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+def generate(model: CachedDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, stop_ids: Iterable[int] = (),
              on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:

@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .callbacks import (
         Callback,
+        LogLines,
+        MetricsLog,
+        ProfilerWindow,
+        ProgressBar,
+        Report,
+        Run,
+        TensorBoard,
     )
     from .checkpoint import (
         TRAINER_POLICY,
@@ -46,13 +53,7 @@ if TYPE_CHECKING:
         evaluate_split,
     )
     from .observe import (
-        LogLines,
-        MetricsLog,
         MoEDiagnostics,
-        ProfilerWindow,
-        ProgressBar,
-        Report,
-        TensorBoard,
         TrainingProfiler,
         TrainingWindow,
         read_events,
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Callback": ".callbacks",
+    "Run": ".callbacks",
     "CheckpointWriteError": ".checkpoint",
     "Checkpointer": ".checkpoint",
     "Resumed": ".checkpoint",
@@ -97,13 +99,13 @@ _EXPORTS = {
     "EvalResult": ".evaluation",
     "evaluate": ".evaluation",
     "evaluate_split": ".evaluation",
-    "LogLines": ".observe",
-    "MetricsLog": ".observe",
+    "LogLines": ".callbacks",
+    "MetricsLog": ".callbacks",
     "MoEDiagnostics": ".observe",
-    "ProfilerWindow": ".observe",
-    "ProgressBar": ".observe",
-    "Report": ".observe",
-    "TensorBoard": ".observe",
+    "ProfilerWindow": ".callbacks",
+    "ProgressBar": ".callbacks",
+    "Report": ".callbacks",
+    "TensorBoard": ".callbacks",
     "TrainingProfiler": ".observe",
     "TrainingWindow": ".observe",
     "read_events": ".observe",
@@ -156,6 +158,7 @@ __all__ = [
     "ProgressBar",
     "Report",
     "Resumed",
+    "Run",
     "TensorBoard",
     "TokenDataLoader",
     "TrainConfig",

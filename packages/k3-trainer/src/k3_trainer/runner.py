@@ -19,6 +19,14 @@ import k3_checkpoint
 from k3_model import K3Config, K3Model
 from k3_model.hub import HubFormatError, load_weights
 
+from .callbacks import (
+    LogLines,
+    MetricsLog,
+    ProfilerWindow,
+    ProgressBar,
+    Report,
+    TensorBoard,
+)
 from .checkpoint import (
     CHECKPOINT,
     READ_ONLY,
@@ -39,14 +47,6 @@ from .distributed import Parallel, init_parallel, shutdown
 from .evaluation import evaluate_split
 from .hub import check_tokenizer, export_model, folder_codec, load_folder
 from .interrupt import StopOnSignal
-from .observe import (
-    LogLines,
-    MetricsLog,
-    ProfilerWindow,
-    ProgressBar,
-    Report,
-    TensorBoard,
-)
 from .observe.report import require_matplotlib, write_report
 from .observe.run import Session, write_run_record
 from .optim import build_optimizer

@@ -1,22 +1,17 @@
-"""Observing a run: the metrics log, TensorBoard, progress, profiling, per-window
-summaries, MoE diagnostics, the report and the run's provenance record."""
+"""What the trainer itself measures and records: phase timers and the attempt clock, the
+per-window summary, MoE diagnostics, event records, the report's plots and the run's
+provenance record. The observers that write them out are callbacks
+(:mod:`k3_trainer.callbacks`), which sit above the trainer; nothing here imports them."""
 
 from .diagnostics import MoEDiagnostics
-from .metrics import MetricsLog, event_record, read_events
-from .profiling import ProfilerWindow, TrainingProfiler
-from .progress import LogLines, ProgressBar
-from .report import Report, require_matplotlib, write_report
-from .tensorboard import TensorBoard
+from .metrics import Record, event_record, read_events
+from .profiling import TrainingProfiler
+from .report import require_matplotlib, write_report
 from .window import TrainingWindow
 
 __all__ = [
-    "LogLines",
-    "MetricsLog",
     "MoEDiagnostics",
-    "ProfilerWindow",
-    "ProgressBar",
-    "Report",
-    "TensorBoard",
+    "Record",
     "TrainingProfiler",
     "TrainingWindow",
     "event_record",

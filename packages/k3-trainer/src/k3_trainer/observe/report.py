@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..callbacks import Callback, Record
 from ..config import ConfigError
 from .metrics import read_events
 from .run import read_run_record
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
 
 REPORT_DIR = "report"
 
@@ -145,16 +141,3 @@ def _qk_clip_threshold(run_dir: Path) -> tuple[str, float] | None:
     if not config.get("qk_clip_enabled", True) or not isinstance(tau, int | float):
         return None
     return f"QK-Clip τ = {tau:g} (heads above it are rescaled)", float(tau)
-
-
-class Report(Callback):
-    """Write the run's report when a session ends (``--report``); the path is kept in
-    :attr:`written`. Put it after the ``MetricsLog`` it reads."""
-
-    def __init__(self, run_dir: str | Path) -> None:
-        require_matplotlib()
-        self.run_dir = Path(run_dir)
-        self.written: Path | None = None
-
-    def on_session_end(self, trainer: Trainer, record: Record) -> None:
-        self.written = write_report(self.run_dir)

@@ -15,14 +15,35 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
 
 from k3_checkpoint import Stateful
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from ..config import TrainConfig
+from ..observe.metrics import Record
+from ..observe.profiling import TrainingProfiler
+from ..state import TrainState
 
-Record = dict[str, Any]
+
+class Run(Protocol):
+    """The trainer as its callbacks see it (:class:`~k3_trainer.Trainer` is one): the
+    callbacks sit above the trainer and never import it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    config: TrainConfig
+    state: TrainState
+    device: torch.device
+    profiler: TrainingProfiler
+    scaler: torch.amp.GradScaler
+    checkpoint_path: Path | None
+    checkpointer: Any
+
+    def request_stop(self, signum: int = ...) -> None: ...
+
 
 _HOOK_OF_EVENT = {
     "session_start": "on_session_start",
@@ -43,32 +64,32 @@ class Callback:
 
     name: str | None = None
 
-    def on_session_start(self, trainer: Trainer, record: Record) -> None:
+    def on_session_start(self, trainer: Run, record: Record) -> None:
         """Training is about to start (or continue from ``trainer.state``)."""
 
-    def on_attempt_start(self, trainer: Trainer, step: int) -> None:
+    def on_attempt_start(self, trainer: Run, step: int) -> None:
         """An attempted update for successful step ``step`` begins."""
 
-    def on_attempt_end(self, trainer: Trainer, step: int) -> None:
+    def on_attempt_end(self, trainer: Run, step: int) -> None:
         """That attempt is over, whether its update was applied or skipped."""
 
-    def on_step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Run, stats: dict[str, float]) -> None:
         """After every successful update: ``loss``, ``lr``, ``grad_norm``,
         ``tokens_per_s`` (of the current log window)."""
 
-    def on_overflow(self, trainer: Trainer, record: Record) -> None:
+    def on_overflow(self, trainer: Run, record: Record) -> None:
         """An FP16 overflow skipped the update (``overflow`` event)."""
 
-    def on_log(self, trainer: Trainer, record: Record) -> None:
+    def on_log(self, trainer: Run, record: Record) -> None:
         """A log interval's summary (``train`` event: loss, lr, tokens/s, MFU, QK, MoE...)."""
 
-    def on_eval_end(self, trainer: Trainer, record: Record) -> None:
+    def on_eval_end(self, trainer: Run, record: Record) -> None:
         """A validation result (``eval`` event: ``val_loss``, ``val_bpb``)."""
 
-    def on_checkpoint_saved(self, trainer: Trainer, record: Record) -> None:
+    def on_checkpoint_saved(self, trainer: Run, record: Record) -> None:
         """A checkpoint was published (``checkpoint`` event: ``path``, ``digest``)."""
 
-    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+    def on_session_end(self, trainer: Run, record: Record) -> None:
         """The session trained to ``max_steps`` (``session_end`` event: phase times)."""
 
 
@@ -112,20 +133,20 @@ class Callbacks:
         """``{name: callback}`` of the stateful ones: their checkpoint components."""
         return {callback_name(c): c for c in self.items if is_stateful(c)}
 
-    def event(self, trainer: Trainer, record: Record) -> None:
+    def event(self, trainer: Run, record: Record) -> None:
         """Hand a ``metrics.jsonl`` record to every callback's hook for its event."""
         hook = _HOOK_OF_EVENT[record["event"]]
         for callback in self.items:
             getattr(callback, hook)(trainer, record)
 
-    def attempt_start(self, trainer: Trainer, step: int) -> None:
+    def attempt_start(self, trainer: Run, step: int) -> None:
         for callback in self.items:
             callback.on_attempt_start(trainer, step)
 
-    def attempt_end(self, trainer: Trainer, step: int) -> None:
+    def attempt_end(self, trainer: Run, step: int) -> None:
         for callback in self.items:
             callback.on_attempt_end(trainer, step)
 
-    def step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+    def step_end(self, trainer: Run, stats: dict[str, float]) -> None:
         for callback in self.items:
             callback.on_step_end(trainer, stats)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..callbacks import Callback, Record
 from ..config import ConfigError
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
+from ..observe.metrics import Record
+from .base import Callback, Run
 
 
 class TensorBoard(Callback):
@@ -35,13 +33,13 @@ class TensorBoard(Callback):
             raise ConfigError("--tensorboard needs the tensorboard package: "
                               "pip install 'k3-trainer[tensorboard]'") from None
 
-    def on_log(self, trainer: Trainer, record: Record) -> None:
+    def on_log(self, trainer: Run, record: Record) -> None:
         self.write(record)
 
-    def on_eval_end(self, trainer: Trainer, record: Record) -> None:
+    def on_eval_end(self, trainer: Run, record: Record) -> None:
         self.write(record)
 
-    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+    def on_session_end(self, trainer: Run, record: Record) -> None:
         self.close()
 
     def write(self, record: dict[str, Any]) -> None:

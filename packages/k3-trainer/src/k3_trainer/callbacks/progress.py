@@ -5,12 +5,10 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-from ..callbacks import Callback, Record
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
+from ..observe.metrics import Record
+from .base import Callback, Run
 
 
 class ProgressBar(Callback):
@@ -19,13 +17,13 @@ class ProgressBar(Callback):
     def __init__(self) -> None:
         self.bar: Any = None
 
-    def on_session_start(self, trainer: Trainer, record: Record) -> None:
+    def on_session_start(self, trainer: Run, record: Record) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=trainer.config.max_steps, initial=trainer.state.step,
                         unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def on_step_end(self, trainer: Trainer, stats: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Run, stats: dict[str, float]) -> None:
         if self.bar is None:
             return
         self.bar.n = trainer.state.step
@@ -33,7 +31,7 @@ class ProgressBar(Callback):
                              refresh=False)
         self.bar.refresh()
 
-    def on_session_end(self, trainer: Trainer, record: Record) -> None:
+    def on_session_end(self, trainer: Run, record: Record) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -49,10 +47,10 @@ class LogLines(Callback):
         self.started = time.monotonic()
         self.first_step = 0
 
-    def on_session_start(self, trainer: Trainer, record: Record) -> None:
+    def on_session_start(self, trainer: Run, record: Record) -> None:
         self.started, self.first_step = time.monotonic(), trainer.state.step
 
-    def on_log(self, trainer: Trainer, record: Record) -> None:
+    def on_log(self, trainer: Run, record: Record) -> None:
         step, total = record["step"], trainer.config.max_steps
         elapsed = time.monotonic() - self.started
         done = step - self.first_step
@@ -62,7 +60,7 @@ class LogLines(Callback):
                   f"lr {_num(record.get('lr'), '.2e')} | {_num(rate, ',.0f')} tokens/s | "
                   f"elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
 
-    def on_eval_end(self, trainer: Trainer, record: Record) -> None:
+    def on_eval_end(self, trainer: Run, record: Record) -> None:
         bpb = record.get("val_bpb")
         tokens = record.get("val_tokens")
         self._say(f"step {record['step']}/{trainer.config.max_steps} | val_loss "

@@ -1,0 +1,73 @@
+"""``MetricsLog``: every event the trainer reports, appended to ``metrics.jsonl`` as it
+happens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..observe.metrics import Record, event_record
+from .base import Callback, Run
+
+
+class MetricsLog(Callback):
+    """Append-only JSONL events, each with an ``event`` name and a wall-clock ``time``
+    (``path=None`` keeps them in :attr:`events` only).
+
+    Lines are flushed as they are written, so a killed run keeps every event it logged.
+    Non-finite floats are written as ``null`` to keep the file strict JSON.
+    """
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            torn = self.path.exists() and self.path.stat().st_size > 0 and \
+                self.path.read_bytes()[-1:] != b"\n"
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            if torn:  # a crash cut the last line short: keep the next event on its own line
+                self._file.write("\n")
+        self.events: list[dict[str, Any]] = []
+
+    def write(self, event: str, **fields: Any) -> Record:
+        """Record an event of the caller's own (e.g. ``runtime_changed``)."""
+        return self.append(event_record(event, **fields))
+
+    def append(self, record: Record) -> Record:
+        self.events.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=False) + "\n")
+            self._file.flush()
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    # Every event the trainer reports goes to the file.
+    def on_session_start(self, trainer: Run, record: Record) -> None:
+        self.append(record)
+
+    def on_overflow(self, trainer: Run, record: Record) -> None:
+        self.append(record)
+
+    def on_log(self, trainer: Run, record: Record) -> None:
+        self.append(record)
+
+    def on_eval_end(self, trainer: Run, record: Record) -> None:
+        self.append(record)
+
+    def on_checkpoint_saved(self, trainer: Run, record: Record) -> None:
+        self.append(record)
+
+    def on_session_end(self, trainer: Run, record: Record) -> None:
+        self.append(record)
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
