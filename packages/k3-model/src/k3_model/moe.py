@@ -84,6 +84,9 @@ class Experts(nn.Module):
     """
 
     use_grouped_mm: bool = True  # False forces the per-expert loop (tests, debugging)
+    gather_below: int = 64
+    """Without autograd, at most this many (token, expert) assignments gather their experts'
+    matrices instead of grouping by expert (a decoding step's few tokens)."""
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, activation: str = "swiglu"):
         super().__init__()
@@ -125,6 +128,8 @@ class Experts(nn.Module):
         slice of them)."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
+        if flat.numel() <= self.gather_below and not torch.is_grad_enabled():
+            return self._gathered(x, flat, gates, stacks)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         xs = x[order // k]
         if self.grouped_mm_applies(x):
@@ -138,6 +143,17 @@ class Experts(nn.Module):
         unsorted = torch.empty_like(y)
         unsorted[order] = y
         return unsorted.view(x.shape[0], k, unsorted.shape[-1]).sum(dim=1)  # 0 rows too
+
+    def _gathered(self, x: Tensor, flat: Tensor, gates: Tensor,
+                  stacks: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """A few assignments (decoding): each one's expert matrices gathered and applied
+        as one batched matmul, cheaper than grouping by expert for a handful of tokens."""
+        k = flat.numel() // max(x.shape[0], 1)
+        w_gate, w_up, w_down = (w.index_select(0, flat) for w in stacks)  # [T·k, out, in]
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(-1).to(w_gate.dtype)  # [T·k, d, 1]
+        h = glu(torch.bmm(w_gate, xs), torch.bmm(w_up, xs), self.activation)
+        y = torch.bmm(w_down, h).squeeze(-1) * gates.reshape(-1, 1).to(w_down.dtype)
+        return y.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
 
     def _grouped(self, xs: Tensor, sorted_experts: Tensor,
                  stacks: tuple[Tensor, Tensor, Tensor]) -> Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from k3_checkpoint import capture_rng, restore_rng
 
-from .data import DataExhausted, TokenDataLoader
+from .data import BatchLoader, DataExhausted
 from .precision import autocast
 
 
@@ -36,7 +36,7 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate_split(model: nn.Module, loader: TokenDataLoader, device: torch.device | str,
+def evaluate_split(model: nn.Module, loader: BatchLoader, device: torch.device | str,
                    max_batches: int, precision: str = "fp32", *,
                    all_reduce: Callable[[torch.Tensor], object] | None = None) -> EvalResult:
     """Loss over up to ``max_batches`` full batches from the start of ``loader``, with the
@@ -86,7 +86,7 @@ def evaluate_split(model: nn.Module, loader: TokenDataLoader, device: torch.devi
         restore_rng(rng)
 
 
-def evaluate(model: nn.Module, loader: TokenDataLoader, device: torch.device | str,
+def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device | str,
              max_batches: int, precision: str = "fp32") -> float:
     """Mean token loss over up to ``max_batches`` full batches from the start of ``loader``
     (:func:`evaluate_split` without the byte count)."""

@@ -41,6 +41,7 @@ from .compiling import prepare_model
 from .config import ConfigError, TrainConfig
 from .contract import check_model
 from .data import Codec, TokenDataLoader, check_vocab_fits, load_codec
+from .data.loader import manifest_digest, read_manifest
 from .data.options import PrepareOptions
 from .data.prepare import describe_prepared, prepare_dataset
 from .distributed import Parallel, init_parallel, shutdown
@@ -222,7 +223,8 @@ def _run_train(command: TrainCommand, device: torch.device, parallel: Parallel |
             config.to_dict(), resolved.model_config.to_dict(),
             preset=command.preset or command.toml.get("preset"),
             data_dir=str(resolved.data_dir.resolve()),
-            manifest_digest=trainer.loaders.train.manifest_digest, device=str(device),
+            manifest_digest=manifest_digest(read_manifest(resolved.data_dir)),
+            device=str(device),
             resumed_from_step=trainer.state.step if resolved.resume_from is not None else None,
             data_parallel=parallel.describe() if parallel is not None else None,
             init_from=None if resolved.init_from is None else str(resolved.init_from.resolve())))

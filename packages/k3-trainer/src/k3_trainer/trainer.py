@@ -27,7 +27,7 @@ from .checkpoint import TRAINER_POLICY, Checkpointer, Resumed, qk_clip_policy, r
 from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
 from .contract import ModelContract, check_model
-from .data import DataExhausted, TokenDataLoader, check_vocab_fits
+from .data import BatchLoader, DataExhausted, check_vocab_fits
 from .distributed import Parallel, clip_grad_norm
 from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
@@ -44,14 +44,14 @@ from .schedule import learning_rate_at_step
 from .state import ScalerState, TrainState
 
 MAX_CONSECUTIVE_SKIPS = 32
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]  # as data.protocol's
 
 
 class Loaders(NamedTuple):
     """The training stream and the validation split (a plain ``(train, val)`` tuple too)."""
 
-    train: TokenDataLoader
-    val: TokenDataLoader
+    train: BatchLoader
+    val: BatchLoader
 
 
 class _Attempt(NamedTuple):
@@ -84,7 +84,7 @@ class Trainer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loaders: tuple[TokenDataLoader, TokenDataLoader], config: TrainConfig, *,
+                 loaders: tuple[BatchLoader, BatchLoader], config: TrainConfig, *,
                  parallel: Parallel | None = None, checkpoint_path: str | Path | None = None,
                  callbacks: Iterable[Callback] = (),
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
@@ -103,8 +103,16 @@ class Trainer:
         self.world = parallel.world_size if parallel is not None else 1
         self.scaler = grad_scaler or make_grad_scaler(self.device, config.precision)
         self.callbacks = Callbacks(callbacks)
-        self.diagnostics = True
         self.profiler = TrainingProfiler(self.device)
+        # The run's own instruments, built once: the log window and the MoE diagnostics.
+        self.window = TrainingWindow(self.device, precision=config.precision,
+                                     flops_per_token=self.contract.flops_per_token(config.seq_len))
+        self.moe = MoEDiagnostics(
+            self.contract,
+            moved_bytes=(lambda: parallel.moved_bytes(self.model))
+            if parallel is not None and parallel.expert_parallel > 1 else None)
+        self._fixed_batch: Batch | None = None  # overfit mode: read once, at state's offset
+        self.diagnostics = True
         self.state = TrainState()
         if config.overfit_batch:
             train = self.loaders.train
@@ -134,7 +142,20 @@ class Trainer:
     def resume(self, path: str | Path, *, allow_runtime_change: bool = False) -> Resumed:
         """Restore the run from the checkpoint at ``path`` (see :meth:`Checkpointer.load`):
         :attr:`state` then holds the saved counters."""
-        return self.checkpointer.load(path, allow_runtime_change=allow_runtime_change)
+        resumed = self.checkpointer.load(path, allow_runtime_change=allow_runtime_change)
+        self._fixed_batch = None  # reread at the restored offset
+        return resumed
+
+    @property
+    def diagnostics(self) -> bool:
+        """Whether log windows carry the MoE routing statistics and the QK-Clip summary
+        (default True); training is bitwise the same either way."""
+        return self._diagnostics
+
+    @diagnostics.setter
+    def diagnostics(self, on: bool) -> None:
+        self._diagnostics = bool(on)
+        self.moe.enabled = self._diagnostics
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -144,17 +165,7 @@ class Trainer:
         prepare_model(self.model, config)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._fixed_batch: Batch | None = None
-        if config.overfit_batch and self.state.fixed_batch_offset is not None:
-            self._fixed_batch = _to_device(
-                self.loaders.train.batch_at(self.state.fixed_batch_offset), self.device)
-        self.window = TrainingWindow(self.device, precision=config.precision,
-                                     flops_per_token=self.contract.flops_per_token(config.seq_len))
-        parallel = self.parallel
-        self.moe = MoEDiagnostics(
-            self.contract, enabled=self.diagnostics,
-            moved_bytes=(lambda: parallel.moved_bytes(self.model))
-            if parallel is not None and parallel.expert_parallel > 1 else None)
+        self.window.reset(None)
         qk_reduce = self.parallel.max_ if self.parallel is not None else None
         compile_clock = CompileClock()
         consecutive_skips = 0

@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     )
     from .options import PrepareOptions, default_workers
     from .prepare import builtin_corpus, describe_prepared, prepare_dataset
+    from .protocol import BatchLoader
     from .tokenizer import BytesCodec, Codec, HFCodec, load_codec
 
 _EXPORTS = {
     "DataError": ".loader", "DataExhausted": ".loader", "TokenDataLoader": ".loader",
     "check_vocab_fits": ".loader", "read_manifest": ".loader",
     "PrepareOptions": ".options", "default_workers": ".options",
+    "BatchLoader": ".protocol",
     "builtin_corpus": ".prepare", "describe_prepared": ".prepare",
     "prepare_dataset": ".prepare",
     "BytesCodec": ".tokenizer", "Codec": ".tokenizer", "HFCodec": ".tokenizer",
@@ -32,6 +34,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BatchLoader",
     "BytesCodec",
     "Codec",
     "DataError",

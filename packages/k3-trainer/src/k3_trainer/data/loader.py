@@ -14,10 +14,13 @@ import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .protocol import BatchLoader
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "k3-tokens/2"
@@ -144,7 +147,7 @@ def _check_shard_entry(path: Path, split: str, shard: dict[str, Any]) -> None:
         raise DataError(f"{path}: shard {name} has sha256 {digest!r}; expected 64 hex digits")
 
 
-def check_vocab_fits(loader: TokenDataLoader, vocab_size: int) -> None:
+def check_vocab_fits(loader: BatchLoader, vocab_size: int) -> None:
     """Refuse data whose token ids can exceed the model's vocabulary."""
     if loader.vocab_size > vocab_size:
         raise DataError(f"the data's vocabulary ({loader.vocab_size}) exceeds the model's "

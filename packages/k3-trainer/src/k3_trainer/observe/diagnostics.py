@@ -19,8 +19,21 @@ class MoEDiagnostics:
     def __init__(self, contract: ModelContract, *, enabled: bool = True,
                  moved_bytes: Callable[[], int] | None = None) -> None:
         self.contract = contract
-        self.enabled = enabled and contract.has_moe_stats
-        self.moved_bytes = moved_bytes if self.enabled else None
+        self._moved_bytes = moved_bytes
+        self.enabled = enabled
+
+    @property
+    def enabled(self) -> bool:
+        """Whether windows carry the routing statistics (never for a model without them)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._enabled = bool(on) and self.contract.has_moe_stats
+
+    @property
+    def moved_bytes(self) -> Callable[[], int] | None:
+        return self._moved_bytes if self._enabled else None
 
     def __enter__(self) -> MoEDiagnostics:
         if self.enabled:
