@@ -35,7 +35,7 @@ from .flops import flops_per_token
 from .kda import KimiDeltaAttention
 from .loss import chunked_cross_entropy
 from .mlp import GatedMLP
-from .moe import MoE, RoutingStats
+from .moe import MoE, RoutingStats, decoding
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 from .routing import parameter_groups
@@ -260,7 +260,8 @@ class K3Model(nn.Module):
         if self.rotary is not None:
             rope = (self.rotary.cos[step.positions][:, None],
                     self.rotary.sin[step.positions][:, None])
-        h = self._layers(self.embed(x), rope, Decoding(cache, step))
+        with decoding():
+            h = self._layers(self.embed(x), rope, Decoding(cache, step))
         logits: Tensor = self.lm_head(self.norm(h))
         return logits
 

@@ -18,8 +18,10 @@ clears them. With collection off they cost one attribute check per forward.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,20 @@ from .checkpointing import recomputing
 from .config import K3Config
 from .mlp import GatedMLP, glu
 from .norm import RMSNorm
+
+_DECODING: contextvars.ContextVar[bool] = contextvars.ContextVar("k3_decoding", default=False)
+
+
+@contextlib.contextmanager
+def decoding() -> Iterator[None]:
+    """Mark the forwards inside as decoding steps (``K3Model.forward_cached``): experts may
+    then take the gathered path for a few tokens, which rounds differently from the
+    grouped kernel; training and evaluation forwards never do."""
+    token = _DECODING.set(True)
+    try:
+        yield
+    finally:
+        _DECODING.reset(token)
 
 
 class Router(nn.Module):
@@ -85,8 +101,8 @@ class Experts(nn.Module):
 
     use_grouped_mm: bool = True  # False forces the per-expert loop (tests, debugging)
     gather_below: int = 64
-    """Without autograd, at most this many (token, expert) assignments gather their experts'
-    matrices instead of grouping by expert (a decoding step's few tokens)."""
+    """While decoding (:func:`decoding`), at most this many (token, expert) assignments
+    gather their experts' matrices instead of grouping by expert (a step's few tokens)."""
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, activation: str = "swiglu"):
         super().__init__()
@@ -128,7 +144,7 @@ class Experts(nn.Module):
         slice of them)."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
-        if flat.numel() <= self.gather_below and not torch.is_grad_enabled():
+        if _DECODING.get() and flat.numel() <= self.gather_below:
             return self._gathered(x, flat, gates, stacks)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         xs = x[order // k]
