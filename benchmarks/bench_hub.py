@@ -28,14 +28,6 @@ from k3_model import K3Model, preset
 from k3_model.hub import load_pretrained, save_pretrained
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def measure(name: str, repeats: int, root: Path) -> dict[str, object]:
     torch.manual_seed(0)
     config = preset(name)
@@ -47,10 +39,11 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, object]:
     def export() -> None:
         save_pretrained(model, hub, overwrite=True)
 
-    def save() -> None:
+    def save() -> None:  # what save_pretrained's durability costs, on the baseline too
         torch.save(state, plain)
-        _fsync(plain)
-        _fsync(root)
+        for path in (plain, root):
+            with os.fdopen(os.open(path, os.O_RDONLY)) as handle:
+                os.fsync(handle.fileno())
 
     def import_hub() -> None:
         load_pretrained(hub)
