@@ -41,9 +41,10 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, object]:
 
     def save() -> None:  # what save_pretrained's durability costs, on the baseline too
         torch.save(state, plain)
-        for path in (plain, root):
-            with os.fdopen(os.open(path, os.O_RDONLY)) as handle:
-                os.fsync(handle.fileno())
+        for path in (plain, root):  # the file, then its folder
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
 
     def import_hub() -> None:
         load_pretrained(hub)
