@@ -164,3 +164,21 @@ def test_the_byte_tokenizer_file_encodes_and_decodes_as_the_byte_codec():
         assert codec.encode_batch([text])[0].tolist() == ours, text
         assert codec.decode(ours) == text
     assert codec.eod_id == 0xFF and codec.vocab_size == 256
+
+
+def test_a_folders_eos_is_its_end_of_document_whatever_its_name(tmp_path):
+    """A hub tokenizer's end-of-document token need not carry a name k3-train knows."""
+    import tokenizers as tk
+
+    from k3_trainer.hub import folder_codec
+
+    tokenizer = tk.Tokenizer(tk.models.BPE(vocab={"a": 0, "b": 1, "[SEP]": 2}, merges=[]))
+    tokenizer.add_special_tokens([tk.AddedToken("[SEP]", special=True)])
+    (tmp_path / "tokenizer.json").write_text(tokenizer.to_str())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_linear"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    codec = folder_codec(tmp_path)
+    assert (codec.eod_id, getattr(codec, "eod_token", None)) == (2, "[SEP]")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    with pytest.raises(Exception, match="eos_token_id 7 is not in its tokenizer.json"):
+        folder_codec(tmp_path)

@@ -21,7 +21,14 @@ from k3_model.hub import HubFormatError, load_pretrained, read_config, save_pret
 
 from .config import ConfigError
 from .data import Codec
-from .data.tokenizer import BYTES_EOD, TOKENIZER_FILE, BytesCodec, HFCodec, byte_decoder
+from .data.tokenizer import (
+    BYTES_EOD,
+    TOKENIZER_FILE,
+    BytesCodec,
+    HFCodec,
+    byte_decoder,
+    require_tokenizers,
+)
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 BYTE_EOD_NAME = "<|endoftext|>"
@@ -34,8 +41,6 @@ def byte_tokenizer_json() -> str:
     """A ``tokenizers`` file that encodes text exactly as :class:`BytesCodec` does (id =
     UTF-8 byte, byte-level pre-tokenization, no merges), with id 0xFF, which never occurs
     in UTF-8 text, as the special end-of-document token."""
-    from .data.tokenizer import require_tokenizers
-
     tk = require_tokenizers()
     chars = {byte: char for char, byte in byte_decoder().items()}
     vocab = {chars[b]: b for b in range(256) if b != BYTES_EOD}
@@ -100,15 +105,17 @@ def folder_codec(folder: Path) -> Codec:
                           "tokenizer beside it")
     if _same_tokenizer(text, byte_tokenizer_json()):
         return BytesCodec()
-    ids = _folder_token_ids(folder)
-    eos = ids.get("eos_token_id")
-    codec = HFCodec(text, source=str(folder / TOKENIZER_FILE))
-    if eos is not None:
-        name = codec.tokenizer.id_to_token(eos)
+    eos = _folder_token_ids(folder).get("eos_token_id")
+    name = None
+    if eos is not None:  # the folder's eos is the end of document, whatever its name
+        try:
+            name = require_tokenizers().Tokenizer.from_str(text).id_to_token(eos)
+        except Exception as exc:  # the library raises a bare Exception for bad files
+            raise ConfigError(f"{folder / TOKENIZER_FILE} is not a tokenizers file: {exc}"
+                              ) from None
         if name is None:
             raise ConfigError(f"{folder}: eos_token_id {eos} is not in its {TOKENIZER_FILE}")
-        codec = HFCodec(text, name, source=str(folder / TOKENIZER_FILE))
-    return codec
+    return HFCodec(text, name, source=str(folder / TOKENIZER_FILE))
 
 
 def _folder_token_ids(folder: Path) -> dict[str, int | None]:
