@@ -213,3 +213,18 @@ def test_published_shapes_cache_sizes_follow_the_formula():
     state = 32 * 128 * 128 * 4
     assert state == 2 * 2**20 and one["kda"] == 20 * (state + 3 * 3 * 4096 * 2)
     assert one["mla"] == 7 * (512 + 64) * 2 and one["mla"] / 1024 == pytest.approx(7.875)
+
+
+def test_a_cached_sequence_may_not_grow_past_max_seq_len():
+    """Checked on the host each step (no device read): the prefill's padded mask once, then
+    one more token per step."""
+    model = _model(_config("tiny").replace(max_seq_len=40))
+    cache = model.new_cache()
+    ids = torch.randint(0, 256, (2, 39))
+    real = torch.ones(2, 39, dtype=torch.bool)
+    real[0, :5], real[1, :3] = False, False  # 34 and 36 tokens: the padding is no token
+    model.forward_cached(ids, cache, real)
+    for _ in range(4):  # up to 38 and 40 tokens
+        model.forward_cached(ids[:, :1], cache)
+    with pytest.raises(ValueError, match="a sequence of 41 tokens exceeds"):
+        model.forward_cached(ids[:, :1], cache)

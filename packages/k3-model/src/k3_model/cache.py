@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -68,6 +68,9 @@ class Step:
     positions: Tensor
     key_real: Tensor
     past: int
+    padded: bool = True
+    """Whether ``real`` may hold padding (False: every new token is real, known on the
+    host, so nothing needs zeroing)."""
 
     @functools.cached_property
     def attention_mask(self) -> Tensor:
@@ -89,7 +92,10 @@ class DecodeCache:
     layers: list[LayerCache]
     real: Tensor | None = None
     lengths: Tensor | None = None
-    steps: int = field(default=0)
+    longest: int = 0
+    """Real tokens of the longest sequence, kept on the host so that a decoding step checks
+    ``max_seq_len`` without reading the device (after :meth:`select` of a subset, an upper
+    bound)."""
 
     @classmethod
     def empty(cls, config: K3Config) -> DecodeCache:
@@ -101,8 +107,17 @@ class DecodeCache:
         """Positions cached so far (padding included)."""
         return 0 if self.real is None else int(self.real.shape[1])
 
-    def advance(self, real: Tensor) -> Step:
-        """Append ``real`` (``[B, T]`` bool, the new tokens' mask) and describe the step."""
+    def longest_after(self, real: Tensor, padded: bool) -> int:
+        """:attr:`longest` once ``real`` (``[B, T]``) is appended: ``+ T`` without padding,
+        else one read of the mask (a prefill's)."""
+        if not padded:
+            return self.longest + int(real.shape[1])
+        counts = real.sum(dim=1) if self.lengths is None else self.lengths + real.sum(dim=1)
+        return int(counts.max())
+
+    def advance(self, real: Tensor, longest: int, padded: bool = True) -> Step:
+        """Append ``real`` (``[B, T]`` bool, the new tokens' mask; :meth:`longest_after`
+        gave ``longest``) and describe the step."""
         past = self.length
         if self.lengths is None:
             self.lengths = torch.zeros(real.shape[0], dtype=torch.long, device=real.device)
@@ -110,8 +125,8 @@ class DecodeCache:
         positions = (self.lengths[:, None] + counts - 1).clamp_min(0)
         self.lengths = self.lengths + counts[:, -1]
         self.real = real if self.real is None else torch.cat([self.real, real], dim=1)
-        self.steps += 1
-        return Step(real, positions, self.real, past)
+        self.longest = longest
+        return Step(real, positions, self.real, past, padded)
 
     @classmethod
     def merge(cls, caches: Sequence[DecodeCache]) -> DecodeCache:
@@ -141,7 +156,7 @@ class DecodeCache:
                                       _left_padded([b for _, b in pairs], pads, 2)))
         real = _left_padded([c.real for c in caches if c.real is not None], pads, 1)
         lengths = torch.cat([c.lengths for c in caches if c.lengths is not None])
-        return cls(layers, real, lengths, max(c.steps for c in caches))
+        return cls(layers, real, lengths, max(c.longest for c in caches))
 
     def select(self, rows: Tensor) -> DecodeCache:
         """The cache of the sequences ``rows`` (a batch index tensor), in that order."""
@@ -159,7 +174,7 @@ class DecodeCache:
                 layers.append(LatentCache(pick(entry.latent), pick(entry.k_shared)))
             else:
                 layers.append(KVCache(pick(entry.k), pick(entry.v)))
-        return DecodeCache(layers, pick(self.real), pick(self.lengths), self.steps)
+        return DecodeCache(layers, pick(self.real), pick(self.lengths), self.longest)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per kind of layer: ``{"kda": …, "mla": …, "gqa": …}`` (the batch's)."""

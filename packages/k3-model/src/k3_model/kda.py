@@ -460,14 +460,17 @@ class KimiDeltaAttention(nn.Module):
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out
 
-    def forward_cached(self, x: Tensor, entry: KDAState, real: Tensor) -> Tensor:
+    def forward_cached(self, x: Tensor, entry: KDAState, real: Tensor | None = None
+                       ) -> Tensor:
         """:meth:`forward` for ``T`` new tokens continuing from ``entry`` (the recurrent
-        state and the convolution's tail), which it advances. ``real`` ``[B, T]``: padded
-        inputs are zeroed, so they write nothing and a sequence's state is its own. One
-        token at a time runs the recurrence, longer steps the chunked form."""
+        state and the convolution's tail), which it advances. ``real`` ``[B, T]`` (None:
+        every token is real): padded inputs are zeroed, so they write nothing and a
+        sequence's state is its own. One token at a time runs the recurrence, longer steps
+        the chunked form."""
         b, t, _ = x.shape
         h, e = self.n_heads, self.head_dim
-        x = x * real[..., None].to(x.dtype)
+        if real is not None:
+            x = x * real[..., None].to(x.dtype)
         tails = entry.tails or tuple(x.new_zeros(b, self.conv_size - 1, h * e)
                                      for _ in range(3))
         mixed, new_tails = [], []

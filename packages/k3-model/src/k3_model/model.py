@@ -83,7 +83,7 @@ class Block(nn.Module):
         entry, step = decoding.cache.layers[self.index], decoding.step
         if isinstance(self.attn, KimiDeltaAttention):
             assert isinstance(entry, KDAState)
-            return self.attn.forward_cached(h, entry, step.real)
+            return self.attn.forward_cached(h, entry, step.real if step.padded else None)
         if isinstance(self.attn, MLAttention):
             assert isinstance(entry, LatentCache)
             return self.attn.forward_cached(h, entry, step, rope)
@@ -249,13 +249,14 @@ class K3Model(nn.Module):
         if x.ndim != 2:
             raise ValueError(f"K3Model: x must be (batch, seq) token ids, got shape "
                              f"{tuple(x.shape)}")
+        padded = real is not None
         if real is None:
             real = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-        lengths = real.sum(dim=1) if cache.lengths is None else cache.lengths + real.sum(1)
-        if int(lengths.max()) > self.config.max_seq_len:
-            raise ValueError(f"K3Model: a sequence of {int(lengths.max())} tokens exceeds "
+        longest = cache.longest_after(real, padded)
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"K3Model: a sequence of {longest} tokens exceeds "
                              f"K3Config.max_seq_len ({self.config.max_seq_len})")
-        step = cache.advance(real)
+        step = cache.advance(real, longest, padded)
         rope = None
         if self.rotary is not None:
             rope = (self.rotary.cos[step.positions][:, None],

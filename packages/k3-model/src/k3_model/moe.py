@@ -145,7 +145,7 @@ class Experts(nn.Module):
         k = experts.shape[1]
         flat = experts.reshape(-1)
         if _DECODING.get() and flat.numel() <= self.gather_below:
-            return self._gathered(x, flat, gates, stacks)
+            return self._gathered(x, k, flat, gates, stacks)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         xs = x[order // k]
         if self.grouped_mm_applies(x):
@@ -160,11 +160,10 @@ class Experts(nn.Module):
         unsorted[order] = y
         return unsorted.view(x.shape[0], k, unsorted.shape[-1]).sum(dim=1)  # 0 rows too
 
-    def _gathered(self, x: Tensor, flat: Tensor, gates: Tensor,
+    def _gathered(self, x: Tensor, k: int, flat: Tensor, gates: Tensor,
                   stacks: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         """A few assignments (decoding): each one's expert matrices gathered and applied
         as one batched matmul, cheaper than grouping by expert for a handful of tokens."""
-        k = flat.numel() // max(x.shape[0], 1)
         w_gate, w_up, w_down = (w.index_select(0, flat) for w in stacks)  # [T·k, out, in]
         xs = x.repeat_interleave(k, dim=0).unsqueeze(-1).to(w_gate.dtype)  # [T·k, d, 1]
         h = glu(torch.bmm(w_gate, xs), torch.bmm(w_up, xs), self.activation)

@@ -40,7 +40,7 @@ from .files import (
     write_json,
     write_tensors,
 )
-from .names import NOT_WEIGHTS, from_hub, hub_shapes, tensor_plan, to_hub
+from .names import NOT_WEIGHTS, from_hub, hub_shapes, to_hub
 
 GENERATION_CONFIG = "generation_config.json"
 KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias")
@@ -136,6 +136,28 @@ def pretrained_config(path: str | Path, **overrides: Any) -> K3Config:
         raise HubFormatError(str(exc)) from None
 
 
+def _checked_state(folder: Path, config: K3Config) -> dict[str, torch.Tensor]:
+    """The folder's weights as our state dict (without :data:`NOT_WEIGHTS`), read once
+    every name, shape and shard has been checked against ``config``."""
+    stored = read_headers(folder)
+    headers = {_canonical(name): value for name, value in stored.items()}
+    expected = hub_shapes(config)
+    _check_names(folder, config, expected, headers)
+    original = {_canonical(name): name for name in stored}
+    tensors = read_tensors(folder, {original[name]: headers[name]
+                                    for name in expected if name in headers})
+    return from_hub({_canonical(name): t for name, t in tensors.items()}, config)
+
+
+def _load_state(model: K3Model, state: dict[str, torch.Tensor]) -> None:
+    """``state`` into ``model``, the balancer's counters (not in the hub format) zeroed."""
+    current = model.state_dict()
+    for name in current:
+        if name.endswith(NOT_WEIGHTS):
+            state[name] = torch.zeros_like(current[name])
+    model.load_state_dict(state, strict=True)
+
+
 def load_weights(model: K3Model, path: str | Path) -> None:
     """Copy the hub folder's weights into ``model``, whose config must match the folder's
     (:func:`pretrained_config`); the balancer's counters are zeroed. Everything is checked
@@ -148,19 +170,7 @@ def load_weights(model: K3Model, path: str | Path) -> None:
         raise HubFormatError(f"{folder / CONFIG} describes another model: "
                              + ", ".join(f"{n} {hub[n]!r} (model: {ours[n]!r})"
                                          for n in differs))
-    stored = read_headers(folder)
-    headers = {_canonical(name): value for name, value in stored.items()}
-    expected = hub_shapes(config)
-    _check_names(folder, config, expected, headers)
-    original = {_canonical(name): name for name in stored}
-    tensors = read_tensors(folder, {original[name]: headers[name]
-                                    for name in expected if name in headers})
-    state = from_hub({_canonical(name): t for name, t in tensors.items()}, config)
-    current = model.state_dict()
-    for name in current:
-        if name.endswith(NOT_WEIGHTS):
-            state[name] = torch.zeros_like(current[name])
-    model.load_state_dict(state, strict=True)
+    _load_state(model, _checked_state(folder, config))
 
 
 def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
@@ -176,13 +186,10 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     """
     folder = _folder(path)
     config = pretrained_config(folder, **overrides)
-    if dtype is None:
-        embed = next(e.hub for e in tensor_plan(config) if e.ours == "embed.weight")
-        stored = {_canonical(n): v for n, v in read_headers(folder).items()}
-        dtype = stored[embed][2] if embed in stored else torch.float32
+    state = _checked_state(folder, config)
     with torch.random.fork_rng(devices=[]):
-        model = K3Model(config).to(dtype)
-    load_weights(model, folder)
+        model = K3Model(config).to(dtype or state["embed.weight"].dtype)
+    _load_state(model, state)
     return model.eval()
 
 
