@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import small_toml
+from trainer_helpers import cli_run, small_toml
 
 from k3_model.hub import load_pretrained
 from k3_trainer.cli import main
+from k3_trainer.config import ConfigError
 from k3_trainer.data import BytesCodec, HFCodec
 from k3_trainer.hub import byte_tokenizer_json
 from k3_trainer.resolve import TrainCommand, resolve
@@ -26,9 +27,7 @@ CONFIG = small_toml(model={"max_seq_len": 32}, train=dict(
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, data_dir):
     root = tmp_path_factory.mktemp("hub")
-    (root / "c.toml").write_text(CONFIG)
-    assert main(["train", "--run-dir", str(root / "run"), "--data", str(data_dir), "--config",
-                 str(root / "c.toml"), "--max-steps", "3"]) == 0
+    cli_run(root, data_dir, CONFIG, 3)
     assert main(["export", "--run-dir", str(root / "run"), "--out", str(root / "out")]) == 0
     return root
 
@@ -180,5 +179,5 @@ def test_a_folders_eos_is_its_end_of_document_whatever_its_name(tmp_path):
     codec = folder_codec(tmp_path)
     assert (codec.eod_id, getattr(codec, "eod_token", None)) == (2, "[SEP]")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
-    with pytest.raises(Exception, match="eos_token_id 7 is not in its tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"eos_token_id 7 is not in its tokenizer\.json"):
         folder_codec(tmp_path)

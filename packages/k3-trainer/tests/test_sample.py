@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from trainer_helpers import small_toml
+from trainer_helpers import cli_run, small_toml
 
 from k3_trainer.cli import main
 from k3_trainer.sample import Sampling, sample_tokens
@@ -16,11 +16,7 @@ CONFIG = small_toml(model={"max_seq_len": 32}, train=dict(
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, data_dir):
-    root = tmp_path_factory.mktemp("sample")
-    (root / "c.toml").write_text(CONFIG)
-    assert main(["train", "--run-dir", str(root / "run"), "--data", str(data_dir), "--config",
-                 str(root / "c.toml"), "--max-steps", "2"]) == 0
-    return root / "run"
+    return cli_run(tmp_path_factory.mktemp("sample"), data_dir, CONFIG, 2)
 
 
 def _sample(capsys, run, *extra):

@@ -42,6 +42,17 @@ def small_toml(*, model: dict | None = None, train: dict | None = None) -> str:
             + "[train]\n" + table(train or {}))
 
 
+def cli_run(root, data_dir, toml_text: str, steps: int):
+    """``k3-train train`` of ``steps`` steps into ``root/run`` with the ``--config`` file
+    ``toml_text``; the run's folder."""
+    from k3_trainer.cli import main
+
+    (root / "c.toml").write_text(toml_text)
+    assert main(["train", "--run-dir", str(root / "run"), "--data", str(data_dir), "--config",
+                 str(root / "c.toml"), "--max-steps", str(steps)]) == 0
+    return root / "run"
+
+
 def train_config(**overrides) -> TrainConfig:
     return TrainConfig(**{**SHORT_RUN_TRAIN, **overrides})
 

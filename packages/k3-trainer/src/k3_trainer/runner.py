@@ -62,7 +62,7 @@ from .resolve import (
     resolve,
     train_config_from,
 )
-from .sample import Sampling, TextStream, sample_text
+from .sample import Sampling, TextStream, context_room, sample_text
 from .schedule import horizon_notes
 from .state import TrainState
 from .threads import THREADS_ENV
@@ -451,18 +451,17 @@ def run_sample(command: SampleCommand) -> int:
     return 0
 
 
-def _note_room(codec: Codec, prompt: str, new_tokens: int, max_seq_len: int) -> None:
-    """Say what decoding with the cache leaves out: the cache holds the whole sequence, so
-    the new tokens and the prompt's last tokens must fit in ``max_seq_len``."""
-    if new_tokens > max_seq_len - 1:
-        print(f"k3-train: note: --max-new-tokens {new_tokens} does not fit in the model's "
-              f"max_seq_len {max_seq_len}; generating at most {max_seq_len - 1}",
-              file=sys.stderr)
-        new_tokens = max_seq_len - 1
+def _note_room(codec: Codec, prompt: str, max_new_tokens: int, max_seq_len: int) -> None:
+    """Say what decoding with the cache leaves out (:func:`context_room`): the new tokens
+    and the prompt's last tokens must fit in ``max_seq_len``."""
     length = 1 + (len(codec.encode_batch([prompt])[0]) if prompt else 0)
-    room = max_seq_len - new_tokens
-    if length > room:
-        print(f"k3-train: note: the prompt is {length} tokens; its last {room} are read, "
+    kept, new_tokens = context_room(length, max_new_tokens, max_seq_len)
+    if new_tokens < max_new_tokens:
+        print(f"k3-train: note: --max-new-tokens {max_new_tokens} does not fit in the "
+              f"model's max_seq_len {max_seq_len}; generating at most {new_tokens}",
+              file=sys.stderr)
+    if kept < length:
+        print(f"k3-train: note: the prompt is {length} tokens; its last {kept} are read, "
               f"leaving room for {new_tokens} new ones in max_seq_len {max_seq_len}",
               file=sys.stderr)
 

@@ -76,6 +76,14 @@ def sample_tokens(model: nn.Module, prompt: Sequence[int], sampling: Sampling, *
     return new
 
 
+def context_room(prompt_tokens: int, max_new_tokens: int, max_seq_len: int) -> tuple[int, int]:
+    """``(prompt tokens kept, new tokens)`` when decoding with a cache, which holds the whole
+    sequence: at most ``max_seq_len − 1`` new tokens, and the prompt's last tokens that
+    leave room for them."""
+    new_tokens = min(max_new_tokens, max_seq_len - 1)
+    return min(prompt_tokens, max_seq_len - new_tokens), new_tokens
+
+
 class TextStream:
     """Prints one sample's text as its tokens arrive, holding back a token that ends in
     the middle of a UTF-8 character until the next one completes it."""
@@ -110,8 +118,8 @@ def sample_text(model: nn.Module, codec: Codec, prompt: str, sampling: Sampling,
     ids = [codec.eod_id, *codec.encode_batch([prompt])[0].tolist()] if prompt else [codec.eod_id]
     generate = getattr(model, "generate", None)
     if callable(generate):
-        new_tokens = min(sampling.max_new_tokens, max_seq_len - 1)
-        ids = ids[-(max_seq_len - new_tokens):]
+        kept, new_tokens = context_room(len(ids), sampling.max_new_tokens, max_seq_len)
+        ids = ids[-kept:]
         rng = capture_rng()
         try:
             continuations = generate([ids] * sampling.num_samples, new_tokens,
