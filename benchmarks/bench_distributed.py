@@ -51,6 +51,7 @@ from k3_trainer import (
     prepare_dataset,
 )
 from k3_trainer.distributed import Parallel, init_parallel, shutdown
+from k3_trainer.models import get_model_spec
 
 SINGLE = ("1 process × 2 threads", "1 process × 1 thread")
 RANKED = ("2 ranks DDP × 1 thread", "2 ranks FSDP2 × 1 thread",
@@ -96,7 +97,8 @@ def _step_seconds(data: Path, settings: dict[str, Any], parallel: Parallel | Non
     model = K3Model(preset(settings.get("preset", "tiny"), **settings["model"])).to(device)
     expert_bytes = sum(layer.experts.w_gate.nbytes * 3 for layer in model.moe_layers().values())
     if parallel is not None:  # as the trainer's runner does
-        parallel.shard_experts(model, config.expert_parallel)
+        parallel.shard_experts(model, config.expert_parallel,
+                                get_model_spec("k3").expert_parallel)
         model.set_balancer_gather(parallel.gather_rows)
         parallel.wrap(model)
     optimizer = build_optimizer(model, config,

@@ -2,7 +2,7 @@
 idle machine and on one where another process keeps a core busy.
 
 Each cell is a fresh ``k3-train train`` of the tiny preset on the built-in corpus with
-``OMP_NUM_THREADS`` set (the default: unset, which ``k3_trainer.threads`` turns into one
+``OMP_NUM_THREADS`` set (the default: unset, which ``k3_trainer.cli.threads`` turns into one
 thread fewer than the cores), reporting the run's own active-training tokens/s from
 ``metrics.jsonl``. The load is a pure-Python busy loop, started before and stopped after
 the loaded cells. Cells are interleaved by repeat, so drifts hit every cell alike.
@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from k3_trainer.threads import THREADS_ENV, default_threads, usable_cores
+from k3_trainer.cli.threads import THREADS_ENV, default_threads, usable_cores
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from k3_trainer import (
     build_optimizer,
 )
 from k3_trainer.distributed import init_parallel, shutdown
+from k3_trainer.models import get_model_spec
 
 
 def _rng_digest() -> str:
@@ -175,7 +176,8 @@ def main() -> int:
     seed_all(config.seed)
     model = K3Model(NARROW_TINY_MODEL)
     if parallel is not None:
-        parallel.shard_experts(model, config.expert_parallel)
+        parallel.shard_experts(model, config.expert_parallel,
+                                get_model_spec("k3").expert_parallel)
         model.set_balancer_gather(parallel.gather_rows)
         parallel.wrap(model)
     optimizer = build_optimizer(model, config, distributed=True if args.parallel == "ddp"

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,8 +20,8 @@ from harness import Inject, assert_bitwise_equal, build_run, train_config
 from k3_checkpoint import read_payload
 from k3_model import K3Model
 from k3_trainer import FP16SkipHarness, Trainer, read_events
-from k3_trainer import runner as k3_runner
 from k3_trainer.cli import main
+from k3_trainer.models import get_model_spec, register_model
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -56,7 +57,10 @@ def nan_at_step_4(monkeypatch):
                     loss = loss * math.nan
             return logits, loss
 
-    monkeypatch.setattr(k3_runner, "K3Model", PoisonedK3Model)
+    k3 = get_model_spec("k3")
+    register_model(dataclasses.replace(k3, build=PoisonedK3Model), replace=True)
+    yield
+    register_model(k3, replace=True)
 
 
 def test_nan_loss_stops_the_cli_in_one_line_and_the_last_checkpoint_resumes(

@@ -162,8 +162,8 @@ def test_train_flags_are_generated_from_the_documented_config_fields(capsys):
     """Every TrainConfig and K3Config field is a flag whose help line is the field's
     docstring with its default; Literal fields list their values; booleans are flags."""
     from k3_model import K3Config
+    from k3_trainer.cli.flags import field_docs
     from k3_trainer.config import TrainConfig
-    from k3_trainer.flags import field_docs
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

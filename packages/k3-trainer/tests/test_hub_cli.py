@@ -12,11 +12,12 @@ from trainer_helpers import cli_run, small_toml
 
 from k3_model.hub import load_pretrained
 from k3_trainer.cli import main
+from k3_trainer.cli.build import build_trainer
+from k3_trainer.cli.hub import byte_tokenizer_json
+from k3_trainer.cli.options import TrainCommand
+from k3_trainer.cli.resolve import resolve
 from k3_trainer.config import ConfigError
 from k3_trainer.data import BytesCodec, HFCodec
-from k3_trainer.hub import byte_tokenizer_json
-from k3_trainer.resolve import TrainCommand, resolve
-from k3_trainer.runner import build_trainer
 
 # eval --model reads the default recipe's batch shape (16 × min(128, max_seq_len)): the run
 # uses the same, so both evaluations measure the same tokens.
@@ -90,8 +91,8 @@ def test_export_refuses_to_replace_a_folder_unless_told(run, capsys):
 
 def test_init_from_starts_a_fresh_run_from_the_folders_weights(run, data_dir, tmp_path):
     resolved = resolve(TrainCommand(tmp_path / "cont", data=data_dir, init_from=run / "out",
-                                    overrides={"seq_len": 16, "batch_size": 2},
-                                    model_overrides={"kda_chunk_size": 16}))
+                                    train_fields={"seq_len": 16, "batch_size": 2},
+                                    model_fields={"kda_chunk_size": 16}))
     assert resolved.init_from == run / "out" and resolved.resume_from is None
     assert resolved.model_config.kda_chunk_size == 16
     trainer = build_trainer(resolved, torch.device("cpu"), None, None)
@@ -169,15 +170,16 @@ def test_a_folders_eos_is_its_end_of_document_whatever_its_name(tmp_path):
     """A hub tokenizer's end-of-document token need not carry a name k3-train knows."""
     import tokenizers as tk
 
-    from k3_trainer.hub import folder_codec
+    from k3_trainer.cli.hub import folder_codec
+    from k3_trainer.models import get_model_spec
 
     tokenizer = tk.Tokenizer(tk.models.BPE(vocab={"a": 0, "b": 1, "[SEP]": 2}, merges=[]))
     tokenizer.add_special_tokens([tk.AddedToken("[SEP]", special=True)])
     (tmp_path / "tokenizer.json").write_text(tokenizer.to_str())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_linear"}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
-    codec = folder_codec(tmp_path)
+    codec = folder_codec(tmp_path, get_model_spec("k3"))
     assert (codec.eod_id, getattr(codec, "eod_token", None)) == (2, "[SEP]")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
     with pytest.raises(ConfigError, match=r"eos_token_id 7 is not in its tokenizer\.json"):
-        folder_codec(tmp_path)
+        folder_codec(tmp_path, get_model_spec("k3"))

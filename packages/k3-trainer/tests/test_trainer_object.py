@@ -237,8 +237,7 @@ def _parts(config, data_dir, seed=None):
 def test_eval_and_sample_build_no_optimizer(data_dir, tmp_path, monkeypatch, capsys):
     from trainer_helpers import small_toml
 
-    from k3_trainer import runner
-    from k3_trainer.cli import main
+    from k3_trainer.cli import build, main
 
     (tmp_path / "c.toml").write_text(small_toml(train=dict(
         batch_size=2, seq_len=16, eval_batches=1, warmup_steps=1, decay_steps=2)))
@@ -249,8 +248,8 @@ def test_eval_and_sample_build_no_optimizer(data_dir, tmp_path, monkeypatch, cap
     def no_optimizer(*args, **kwargs):
         raise AssertionError("eval and sample must not build an optimizer")
 
-    monkeypatch.setattr(runner, "build_optimizer", no_optimizer)
-    monkeypatch.setattr(runner, "Trainer", no_optimizer)
+    monkeypatch.setattr(build, "build_optimizer", no_optimizer)
+    monkeypatch.setattr(build, "Trainer", no_optimizer)
     capsys.readouterr()
     assert main(["eval", "--run-dir", str(run)]) == 0
     assert capsys.readouterr().out.startswith("step 2: val_loss ")

@@ -52,6 +52,11 @@ if TYPE_CHECKING:
         evaluate,
         evaluate_split,
     )
+    from .models import (
+        ModelSpec,
+        get_model_spec,
+        register_model,
+    )
     from .observe import (
         MoEDiagnostics,
         TrainingProfiler,
@@ -109,6 +114,9 @@ _EXPORTS = {
     "TrainingProfiler": ".observe",
     "TrainingWindow": ".observe",
     "read_events": ".observe",
+    "ModelSpec": ".models",
+    "get_model_spec": ".models",
+    "register_model": ".models",
     "build_optimizer": ".optim",
     "FP16SkipHarness": ".precision",
     "validate_precision": ".precision",
@@ -153,6 +161,7 @@ __all__ = [
     "MetricsLog",
     "MoEDiagnostics",
     "ModelContract",
+    "ModelSpec",
     "PrepareOptions",
     "ProfilerWindow",
     "ProgressBar",
@@ -173,9 +182,11 @@ __all__ = [
     "check_model",
     "evaluate",
     "evaluate_split",
+    "get_model_spec",
     "learning_rate_at_step",
     "prepare_dataset",
     "read_events",
     "read_manifest",
+    "register_model",
     "validate_precision",
 ]

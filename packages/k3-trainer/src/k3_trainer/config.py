@@ -30,7 +30,7 @@ class TrainConfig:
     """Everything that defines a training run's recipe, as plain data.
 
     Intervals and ``max_steps`` count *successful* optimizer updates. Each field's
-    docstring is its ``k3-train train --help`` line (see :mod:`k3_trainer.flags`).
+    docstring is its ``k3-train train --help`` line (see :mod:`k3_trainer.cli.flags`).
     """
 
     # batch geometry

@@ -17,7 +17,6 @@ decay=)``
 ``set_activation_checkpointing``  ``activation_checkpointing`` must stay ``"none"``
 ``set_moe_stats``,                no MoE routing metrics
 ``pop_moe_stats``
-``set_balancer_gather(gather)``   nothing to gather: the model has no token-statistics state
 ================================  ==========================================================
 
 :func:`check_model` reads the model once, when a trainer is built, and raises one
@@ -37,8 +36,6 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor, nn
 
 from .config import ConfigError
-
-TokenGather = Callable[[Tensor], Tensor]
 
 
 @runtime_checkable
@@ -75,11 +72,9 @@ class K3TrainerModel(TrainableModel, Protocol):
 
     def pop_moe_stats(self) -> Mapping[str, Any]: ...
 
-    def set_balancer_gather(self, gather: TokenGather | None) -> None: ...
-
 
 _METHODS = ("parameter_groups", "flops_per_token", "set_activation_checkpointing",
-            "set_moe_stats", "pop_moe_stats", "set_balancer_gather")
+            "set_moe_stats", "pop_moe_stats")
 
 
 @dataclass(frozen=True)
@@ -136,11 +131,6 @@ class ModelContract:
 
     def pop_moe_stats(self) -> Mapping[str, Any]:
         return dict(self.methods["pop_moe_stats"]()) if self.has_moe_stats else {}
-
-    def set_balancer_gather(self, gather: TokenGather | None) -> None:
-        setter = self.methods.get("set_balancer_gather")
-        if setter is not None:
-            setter(gather)
 
 
 def check_model(model: object) -> ModelContract:

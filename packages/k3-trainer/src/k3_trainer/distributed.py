@@ -8,9 +8,9 @@ found-inf for the FP16 skip, a flag that is true on every rank when true on one)
 then the root) or wraps it in ``DistributedDataParallel``. ``--parallel none`` never
 touches ``torch.distributed``: the one-process path stays exactly as it was.
 
-Expert parallelism (``--expert-parallel N``, FSDP2 only) is set up here too:
-:meth:`Parallel.shard_experts` gives each rank ``E/N`` routed experts of every MoE layer
-on a ``(world/N, N)`` device mesh (k3-model's :mod:`~k3_model.expert_parallel`),
+Expert parallelism (``--expert-parallel N``, FSDP2 only) is set up here too, through the
+model's own hooks (:class:`~k3_trainer.models.ExpertParallel` of its spec):
+:meth:`Parallel.shard_experts` gives each rank ``E/N`` routed experts of every MoE layer,
 :meth:`Parallel.wrap` keeps those parameters out of ``fully_shard``, and
 :meth:`Parallel.finish_gradients` turns their gradients into the data-parallel mean.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,10 @@ from torch import Tensor, nn
 
 from .config import ConfigError
 from .contract import read_contract
-from .launch import MODES, launched_world_size
+from .torchrun import MODES, launched_world_size
+
+if TYPE_CHECKING:
+    from .models import ExpertParallel
 
 
 class Parallel:
@@ -45,6 +48,7 @@ class Parallel:
         self.world_size = dist.get_world_size()
         self.module: nn.Module | None = None
         self.expert_parallel = 1
+        self._experts: ExpertParallel | None = None
 
     @property
     def is_main(self) -> bool:
@@ -61,45 +65,38 @@ class Parallel:
 
     # --- expert parallelism --------------------------------------------------------------
 
-    def shard_experts(self, model: nn.Module, degree: int) -> None:
+    def shard_experts(self, model: nn.Module, degree: int,
+                      experts: ExpertParallel | None) -> None:
         """Keep ``n_experts/degree`` routed experts of every MoE layer on this rank (in
-        place, before :meth:`wrap`); ``degree`` 1 does nothing. Raises ``ConfigError`` for
-        a layout that cannot work."""
+        place, before :meth:`wrap`), through the model's own hooks ``experts`` (its spec's;
+        None: the model cannot split its experts); ``degree`` 1 does nothing. Raises
+        ``ConfigError`` for a layout that cannot work."""
         if degree == 1:
             return
-        from k3_model.expert_parallel import expert_mesh, shard_experts
-        from k3_model.moe import MoE
-
         if self.mode != "fsdp":
             raise ConfigError(f"--expert-parallel {degree} needs --parallel fsdp: DDP offers no "
                               "public way to keep the expert parameters out of its all-reduce")
         if self.world_size % degree:
             raise ConfigError(f"--expert-parallel {degree} must divide the world size "
                               f"{self.world_size} (--nproc × nodes)")
-        layers = [m for m in model.modules() if isinstance(m, MoE)]
-        if not layers:
-            raise ConfigError(f"--expert-parallel {degree}: the model has no MoE layer")
-        experts = layers[0].experts.n_experts
-        if experts % degree:
-            raise ConfigError(f"--expert-parallel {degree} must divide n_experts ({experts})")
-        shard_experts(model, expert_mesh(self.world_size, degree, self.device.type))
-        self.expert_parallel = degree
+        count = 0 if experts is None else experts.n_experts(model)
+        if experts is None or not count:
+            raise ConfigError(f"--expert-parallel {degree}: the model has no MoE layer "
+                              "whose experts it can split")
+        if count % degree:
+            raise ConfigError(f"--expert-parallel {degree} must divide n_experts ({count})")
+        experts.shard(model, self.world_size, degree, self.device.type)
+        self.expert_parallel, self._experts = degree, experts
 
     def finish_gradients(self, model: nn.Module) -> None:
         """After the update's last backward: the expert gradients become the mean over
         every rank's tokens, as FSDP2 has made the others (nothing without experts)."""
-        if self.expert_parallel > 1:
-            from k3_model.expert_parallel import reduce_gradients
-
-            reduce_gradients(model)
+        if self._experts is not None:
+            self._experts.reduce_gradients(model)
 
     def moved_bytes(self, model: nn.Module) -> int:
         """Bytes this rank's expert all-to-alls sent to other ranks since the last call."""
-        if self.expert_parallel == 1:
-            return 0
-        from k3_model.expert_parallel import pop_moved_bytes
-
-        return pop_moved_bytes(model)
+        return 0 if self._experts is None else self._experts.moved_bytes(model)
 
     # --- model -------------------------------------------------------------------------
 
@@ -110,10 +107,8 @@ class Parallel:
             from torch.distributed.fsdp import fully_shard
 
             ignored: set[nn.Parameter] = set()
-            if self.expert_parallel > 1:  # sharded by expert already, on their own mesh
-                from k3_model.expert_parallel import expert_parameters
-
-                ignored = set(expert_parameters(model))
+            if self._experts is not None:  # sharded by expert already, on their own mesh
+                ignored = set(self._experts.parameters(model))
             for block in read_contract(model).blocks():
                 if block is not model:
                     fully_shard(block, ignored_params=ignored)

@@ -1,9 +1,9 @@
 """Sampling continuations from a trained model (``k3-train sample``).
 
-A model with a ``generate`` method (K3Model's: KDA's recurrent state and MLA's latent
-cache, :mod:`k3_model.generate`) decodes with it, all samples in one batch. Any other
-model falls back to :func:`sample_tokens`, which recomputes the forward over the context
-for every new token (quadratic, but it needs nothing from the model beyond its forward).
+A model with a ``generate`` method (K3's keeps KDA's recurrent state and MLA's latent
+cache) decodes with it, all samples in one batch. Any other model falls back to
+:func:`sample_tokens`, which recomputes the forward over the context for every new token
+(quadratic, but it needs nothing from the model beyond its forward).
 Draws use one CPU ``torch.Generator`` seeded by the caller, so a seed gives the same text
 on any device whose logits agree.
 """
@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from k3_checkpoint import capture_rng, restore_rng
-from k3_model.generate import pick
 
 from .data import Codec
 
@@ -44,6 +43,22 @@ class Sampling:
                              "and num_samples >= 1")
 
 
+def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """The next token after one row of ``logits`` ``(V,)``, drawn on the CPU by
+    ``sampling``'s rule (the rule a model's own ``generate`` is given by name)."""
+    logits = logits.float().cpu()
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.numel():
+        logits[logits < torch.topk(logits, sampling.top_k).values[-1]] = float("-inf")
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        ordered, order = logits.sort(descending=True)
+        probs = ordered.softmax(dim=-1)
+        logits[order[probs.cumsum(dim=-1) - probs >= sampling.top_p]] = float("-inf")
+    return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
+
+
 @torch.no_grad()
 def sample_tokens(model: nn.Module, prompt: Sequence[int], sampling: Sampling, *,
                   max_seq_len: int, device: torch.device | str, stop_id: int | None = None
@@ -64,8 +79,7 @@ def sample_tokens(model: nn.Module, prompt: Sequence[int], sampling: Sampling, *
             x = torch.tensor([context[-max_seq_len:]], dtype=torch.long, device=device)
             logits = model(x)
             logits = (logits[0] if isinstance(logits, tuple) else logits)[:, -1]
-            token = int(pick(logits, temperature=sampling.temperature, top_k=sampling.top_k,
-                             top_p=sampling.top_p, generator=generator)[0])
+            token = pick(logits[0], sampling, generator)
             context.append(token)
             new.append(token)
             if token == stop_id:

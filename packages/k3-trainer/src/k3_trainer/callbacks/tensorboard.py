@@ -15,13 +15,23 @@ class TensorBoard(Callback):
 
     Needs the ``tensorboard`` package (``pip install 'k3-trainer[tensorboard]'``); asking
     for it without the package is a clear ``ConfigError`` at startup, not a late crash.
+    The event file is created with the first scalar, so building the callback (as a
+    command's plan does before its checks pass) writes nothing.
     """
 
     def __init__(self, log_dir: str | Path) -> None:
         self.require()
-        from torch.utils.tensorboard import SummaryWriter
+        self.log_dir = Path(log_dir)
+        self._writer: Any = None
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+    @property
+    def writer(self) -> Any:
+        """The ``SummaryWriter`` (opened on first use)."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
 
     @staticmethod
     def require() -> None:
@@ -52,4 +62,5 @@ class TensorBoard(Callback):
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()

@@ -1,31 +1,36 @@
-"""A ``k3-train train`` session's configuration, resolved from the run directory's state
-and the command line before anything is built or written.
+"""A ``k3-train train`` session's plan, resolved from the run directory's state and the
+command line before anything is built or written.
 
 Fresh: defaults ← preset ← config file ← flags (the model's vocabulary grows to the data's
-tokenizer unless set); resumed: the run's recorded configs ← config file ← flags.
+tokenizer unless set); resumed: the run's recorded configs ← config file ← flags. The
+plan holds everything the session then does: the model spec and both configs, the data,
+the checkpoint to resume, the notes to print and the callbacks that observe the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from ..callbacks import Callback, LogLines, ProfilerWindow, ProgressBar, Report, TensorBoard
+from ..checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, find_checkpoint
+from ..config import ConfigError, TrainConfig
+from ..data import read_manifest
+from ..data.loader import MANIFEST_FORMAT
+from ..data.prepare import prepare_dataset
+from ..models import DEFAULT_MODEL, HubFolderError, ModelSpec, get_model_spec
+from ..observe import read_events
+from ..observe.run import read_run_record
+from .options import TrainCommand
 
-from k3_model import K3Config
-from k3_model import preset as model_preset
-from k3_model.hub import HubFormatError, pretrained_config
-
-from .checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, find_checkpoint
-from .config import ConfigError, TrainConfig
-from .data import read_manifest
-from .data.loader import MANIFEST_FORMAT
-from .data.prepare import prepare_dataset
-from .observe import read_events
-from .observe.run import read_run_record
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 VOCAB_MULTIPLE = 128
 METRICS = "metrics.jsonl"
@@ -53,12 +58,10 @@ def resolve_data(data: Path | None) -> Path:
     return path
 
 
-def model_config_from(preset: str | None, overrides: dict[str, Any],
-                      recorded: dict[str, Any] | None) -> K3Config:
+def model_config_from(spec: ModelSpec, preset: str | None, overrides: dict[str, Any],
+                      recorded: dict[str, Any] | None) -> Any:
     try:
-        if recorded is not None and preset is None:
-            return K3Config.from_dict({**recorded, **overrides})
-        return model_preset(preset or DEFAULT_PRESET, **overrides)
+        return spec.config(preset, overrides, recorded)
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model config: {exc}") from None
 
@@ -105,41 +108,43 @@ def read_record(run_dir: Path) -> dict[str, Any]:
     return record
 
 
-@dataclass(frozen=True)
-class TrainCommand:
-    """``k3-train train``'s arguments, as the command line resolved them."""
-
-    run_dir: Path
-    data: Path | None = None
-    toml: dict[str, Any] = field(default_factory=dict)
-    resume: bool = False
-    preset: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """TrainConfig fields the command line set."""
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    """K3Config fields the command line set."""
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    report: bool = False
-    tensorboard: bool = False
-    profile_start: int | None = None
-    profile_steps: int = 3
-    allow_runtime_change: bool = False
-    parallel: str = "none"
-    notes: tuple[str, ...] = ()
-    """One-line notes to print once the session is sure to train."""
-    init_from: Path | None = None
-    """A hub folder whose weights a fresh run starts from (continued pretraining)."""
+def read_toml(path: Path | None) -> dict[str, Any]:
+    """``--config``: a TOML file with ``preset``, ``[train]`` and ``[model]``, checked."""
+    if path is None:
+        return {}
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"preset", "train", "model"})
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
+                          "expected preset, [train], [model]")
+    if not isinstance(data.get("preset", ""), str):
+        raise ConfigError(f"config file {path}: preset must be a string, got "
+                          f"{data['preset']!r}")
+    for table in ("train", "model"):
+        if not isinstance(data.get(table, {}), dict):
+            raise ConfigError(f"config file {path}: {table} must be a table ([{table}]), got "
+                              f"{data[table]!r}")
+    return data
 
 
 @dataclass(frozen=True)
-class Resolved:
-    """A session's configuration, resolved before anything is built or written."""
+class Plan:
+    """A session's plan, resolved before anything is built or written."""
 
+    command: TrainCommand
+    spec: ModelSpec
     config: TrainConfig
-    model_config: K3Config
+    model_config: Any
     data_dir: Path
     resume_from: Path | None
     horizon_unset: bool
+    preset: str | None = None
+    """The preset the run was started from (recorded in run.json)."""
     recorded_data: str | None = None
     """The data folder the run's record names (to say which dataset a checkpoint needs)."""
     notes: tuple[str, ...] = ()
@@ -147,12 +152,15 @@ class Resolved:
     init_from: Path | None = None
     """The hub folder a fresh run loads its weights from (None: initialized from the seed,
     or resumed from its checkpoint)."""
+    callbacks: tuple[Callback, ...] = ()
+    """What observes the run besides metrics.jsonl (rank 0's; built, nothing written)."""
 
 
-def resolve(command: TrainCommand) -> Resolved:
-    """The session's configs from the run directory's state and the command line, or a
-    ``RunError`` when the run directory is not in a state this command can use."""
-    run_dir, toml = command.run_dir, command.toml
+def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
+    """The session's plan from the run directory's state and the command line, or a
+    ``RunError`` when the run directory is not in a state this command can use (``notes``:
+    the caller's own, said with the plan's)."""
+    run_dir, toml = command.run_dir, read_toml(command.config)
     preset = command.preset or toml.get("preset")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--run-dir {run_dir} is a file, not a directory")
@@ -184,50 +192,91 @@ def resolve(command: TrainCommand) -> Resolved:
                            "choose another --run-dir")
         raise RunError(f"{run_dir} already holds a run; pass --resume to continue it or "
                        "choose another --run-dir")
-    model_fields = {**toml.get("model", {}), **command.model_overrides}
-    notes: tuple[str, ...] = ()
+    spec = _model_spec(command, record)
+    model_fields = {**toml.get("model", {}), **command.model_fields}
+    said: tuple[str, ...] = ()
     init_from = command.init_from
     if init_from is not None and resume:
-        notes = (f"--init-from {init_from} is not read: the run's checkpoint holds its "
-                 "weights (it starts a run only)",)
+        said = (f"--init-from {init_from} is not read: the run's checkpoint holds its "
+                "weights (it starts a run only)",)
         init_from = None
     if init_from is not None:
         if preset is not None:
             raise ConfigError(f"--init-from {init_from} and --preset {preset} both choose the "
                               "model; drop --preset (the folder's config.json is the model)")
-        config = train_config_from({}, toml, command.overrides)
-        model_config = _pretrained_model_config(init_from, model_fields)
+        config = train_config_from({}, toml, command.train_fields)
+        model_config = _pretrained_model_config(spec, init_from, model_fields)
         data_dir = resolve_data(command.data)
-        notes = _tokenizer_notes(init_from, data_dir)
+        said = _tokenizer_notes(init_from, data_dir)
     elif record is not None:
-        config = train_config_from(record["train_config"], toml, command.overrides)
-        model_config = model_config_from(preset, model_fields, record["model_config"])
+        config = train_config_from(record["train_config"], toml, command.train_fields)
+        model_config = model_config_from(spec, preset, model_fields, record["model_config"])
         data_dir = command.data or Path(record["data"]["dir"])
     else:
-        config = train_config_from({}, toml, command.overrides)
-        model_config = model_config_from(preset, model_fields, None)
+        config = train_config_from({}, toml, command.train_fields)
+        model_config = model_config_from(spec, preset, model_fields, None)
         data_dir = resolve_data(command.data)
-        if "vocab_size" not in model_fields:
-            model_config, notes = _vocab_for_data(model_config, data_dir)
+        if "vocab_size" in spec.field_names and "vocab_size" not in model_fields:
+            model_config, said = _vocab_for_data(model_config, data_dir)
     horizon_unset = record is None and "decay_steps" not in {**toml.get("train", {}),
-                                                            **command.overrides}
+                                                            **command.train_fields}
     recorded_data = record["data"]["dir"] if record is not None else None
-    return Resolved(config, model_config, data_dir, found if resume else None, horizon_unset,
-                    recorded_data, notes, init_from)
+    return Plan(command, spec, config, model_config, data_dir, found if resume else None,
+                horizon_unset, preset=preset, recorded_data=recorded_data,
+                notes=(*notes, *said), init_from=init_from, callbacks=_callbacks(command))
 
 
-def _pretrained_model_config(folder: Path, model_fields: dict[str, Any]) -> K3Config:
+def recorded_model(record: dict[str, Any]) -> str:
+    """The model a run's record names (runs from before model specs trained K3)."""
+    name = record.get("model", DEFAULT_MODEL)
+    return name if isinstance(name, str) else DEFAULT_MODEL
+
+
+def _model_spec(command: TrainCommand, record: dict[str, Any] | None) -> ModelSpec:
+    """``--model``'s spec, which must be the run's own when it continues one."""
+    if record is not None:
+        recorded = recorded_model(record)
+        if command.model is not None and command.model != recorded:
+            raise ConfigError(f"--model {command.model}: {command.run_dir} trains the model "
+                              f"{recorded!r}; drop --model or choose another --run-dir")
+        return get_model_spec(recorded)
+    return get_model_spec(command.model or DEFAULT_MODEL)
+
+
+def _callbacks(command: TrainCommand) -> tuple[Callback, ...]:
+    """What the command asked to observe the run with, besides metrics.jsonl; each is
+    checked now (a missing package, a bad window), so a session never fails on one late."""
+    callbacks: list[Callback] = []
+    if command.tensorboard:
+        callbacks.append(TensorBoard(command.run_dir / "tensorboard"))
+    if command.profile_start is not None:
+        try:
+            callbacks.append(ProfilerWindow(command.run_dir / "profile",
+                                            command.profile_start, command.profile_steps))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    # A bar on a terminal; in a log file (nohup, a job log, CI) plain lines instead.
+    callbacks.append(ProgressBar() if sys.stderr.isatty() else LogLines())
+    if command.report:
+        callbacks.append(Report(command.run_dir))
+    return tuple(callbacks)
+
+
+def _pretrained_model_config(spec: ModelSpec, folder: Path,
+                             model_fields: dict[str, Any]) -> Any:
     """The hub folder's model, with the model flags that do not contradict it (those that
     only change how it computes, e.g. ``--kda-chunk-size``); a contradicting one is named."""
+    if spec.hub is None:
+        raise ConfigError(f"--init-from {folder}: the model {spec.name!r} has no hub format")
     try:
-        return pretrained_config(folder, **model_fields)
-    except HubFormatError as exc:
+        return spec.hub.config(folder, **model_fields)
+    except HubFolderError as exc:
         raise ConfigError(f"--init-from {exc}") from None
 
 
 def _tokenizer_notes(folder: Path, data_dir: Path) -> tuple[str, ...]:
     """Refuse data prepared with another tokenizer than the folder's."""
-    from .data import load_codec
+    from ..data import load_codec
     from .hub import check_tokenizer
 
     codec = load_codec(data_dir, read_manifest(data_dir))
@@ -244,9 +293,7 @@ def _restart_record(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-
-
-def _vocab_for_data(model_config: K3Config, data_dir: Path) -> tuple[K3Config, tuple[str, ...]]:
+def _vocab_for_data(model_config: Any, data_dir: Path) -> tuple[Any, tuple[str, ...]]:
     """The model with a vocabulary large enough for the data's tokenizer (rounded up to a
     multiple of 128, for the embedding's matrix shapes) and a note saying so; unchanged
     when the preset's covers it. A vocab_size the user set is never changed: the loaders
@@ -257,4 +304,4 @@ def _vocab_for_data(model_config: K3Config, data_dir: Path) -> tuple[K3Config, t
     rounded = -(-needed // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     note = (f"vocab_size {model_config.vocab_size} → {rounded} to cover the data's "
             f"{needed}-token tokenizer (--vocab-size sets it)")
-    return model_config.replace(vocab_size=rounded), (note,)
+    return dataclasses.replace(model_config, vocab_size=rounded), (note,)

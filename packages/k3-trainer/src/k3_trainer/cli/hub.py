@@ -1,8 +1,9 @@
 """A run's model as a Hugging Face hub folder, and hub folders as models for the commands.
 
-``k3-train export`` writes the run's weights with :func:`k3_model.hub.save_pretrained`
-plus what a user of transformers expects beside them: the tokenizer (``tokenizer.json``,
-the run's own BPE or, for a byte-level run, an equivalent byte-level file) with its
+``k3-train export`` writes the run's weights with its model spec's hub format
+(:class:`~k3_trainer.models.HubFormat`) plus what a user of transformers expects beside
+them: the tokenizer (``tokenizer.json``, the run's own BPE or, for a byte-level run, an
+equivalent byte-level file) with its
 ``tokenizer_config.json``, and ``generation_config.json`` whose eos is the run's
 end-of-document token. ``train --init-from``, ``eval --model`` and ``sample --model``
 read such folders back; the tokenizer a folder ships is checked against the data's.
@@ -13,15 +14,14 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-from k3_model import K3Model
-from k3_model.hub import HubFormatError, load_pretrained, read_config, save_pretrained, token_ids
-
-from .config import ConfigError
-from .data import Codec
-from .data.tokenizer import (
+from ..config import ConfigError
+from ..data import Codec
+from ..data.tokenizer import (
     BYTES_EOD,
     TOKENIZER_FILE,
     BytesCodec,
@@ -29,6 +29,7 @@ from .data.tokenizer import (
     byte_decoder,
     require_tokenizers,
 )
+from ..models import HubFolderError, ModelSpec, spec_for_model_type
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 BYTE_EOD_NAME = "<|endoftext|>"
@@ -67,18 +68,42 @@ def tokenizer_files(codec: Codec, max_length: int) -> dict[str, str]:
             TOKENIZER_CONFIG: json.dumps(config, indent=2) + "\n"}
 
 
-def export_model(model: K3Model, codec: Codec, out: Path, *, dtype: str = "fp32",
-                 overwrite: bool = False) -> Path:
+def _hub_of(spec: ModelSpec, what: str) -> Any:
+    if spec.hub is None:
+        raise ConfigError(f"{what}: the model {spec.name!r} has no hub format")
+    return spec.hub
+
+
+def export_model(model: nn.Module, spec: ModelSpec, codec: Codec, out: Path, *,
+                 max_seq_len: int, dtype: str = "fp32", overwrite: bool = False) -> Path:
     """Write ``model`` with the run's tokenizer into the hub folder ``out``."""
+    hub = _hub_of(spec, "export")
     try:
-        return save_pretrained(model, out, dtype=DTYPES[dtype], bos_token_id=codec.eod_id,
-                               eos_token_id=codec.eod_id,
-                               extra_files=tokenizer_files(codec, model.config.max_seq_len),
-                               overwrite=overwrite)
-    except HubFormatError as exc:
+        written: Path = hub.save(model, out, dtype=DTYPES[dtype], bos_token_id=codec.eod_id,
+                                 eos_token_id=codec.eod_id,
+                                 extra_files=tokenizer_files(codec, max_seq_len),
+                                 overwrite=overwrite)
+        return written
+    except HubFolderError as exc:
         raise ConfigError(f"export: {exc}") from None
     except FileExistsError as exc:
         raise ConfigError(f"--out {exc} (or pass --overwrite)") from None
+
+
+def folder_spec(folder: Path, flag: str = "--model") -> ModelSpec:
+    """The model spec whose hub format reads ``folder`` (by its config.json's model_type)."""
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{flag} {folder}: no config.json; not a hub model folder") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{flag} {path} cannot be read: {exc}") from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    try:
+        return spec_for_model_type(model_type)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {folder}: {exc}") from None
 
 
 def _tokenizer_text(folder: Path) -> str | None:
@@ -96,7 +121,7 @@ def _same_tokenizer(a: str, b: str) -> bool:
         return a == b
 
 
-def folder_codec(folder: Path) -> Codec:
+def folder_codec(folder: Path, spec: ModelSpec) -> Codec:
     """The tokenizer a hub folder ships (``BytesCodec`` for the byte-level file export
     writes), with the folder's eos as end of document."""
     text = _tokenizer_text(folder)
@@ -105,7 +130,7 @@ def folder_codec(folder: Path) -> Codec:
                           "tokenizer beside it")
     if _same_tokenizer(text, byte_tokenizer_json()):
         return BytesCodec()
-    eos = _folder_token_ids(folder).get("eos_token_id")
+    eos = _folder_token_ids(folder, spec).get("eos_token_id")
     name = None
     if eos is not None:  # the folder's eos is the end of document, whatever its name
         try:
@@ -118,18 +143,18 @@ def folder_codec(folder: Path) -> Codec:
     return HFCodec(text, name, source=str(folder / TOKENIZER_FILE))
 
 
-def _folder_token_ids(folder: Path) -> dict[str, int | None]:
+def _folder_token_ids(folder: Path, spec: ModelSpec) -> dict[str, int | None]:
     generation = folder / "generation_config.json"
     ids: dict[str, int | None] = {}
     try:
-        ids = token_ids(read_config(folder))
+        ids = dict(_hub_of(spec, str(folder)).token_ids(folder))
         if generation.is_file():
             data = json.loads(generation.read_text(encoding="utf-8"))
             eos = data.get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) and eos else eos
             if isinstance(eos, int):
                 ids["eos_token_id"] = eos
-    except (HubFormatError, OSError, json.JSONDecodeError) as exc:
+    except (HubFolderError, OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{folder}: {exc}") from None
     return ids
 
@@ -149,10 +174,11 @@ def check_tokenizer(folder: Path, codec: Codec, data_dir: Path, flag: str) -> st
     return None
 
 
-def load_folder(folder: Path, device: torch.device) -> K3Model:
-    """A hub folder's model on ``device`` (fp32 parameters), for eval and sample."""
+def load_folder(folder: Path, device: torch.device) -> tuple[ModelSpec, nn.Module]:
+    """A hub folder's spec and model on ``device`` (fp32 parameters), for eval and sample."""
+    spec = folder_spec(folder)
     try:
-        model = load_pretrained(folder, dtype=torch.float32)
-    except HubFormatError as exc:
+        model = _hub_of(spec, f"--model {folder}").load(folder, torch.float32)
+    except HubFolderError as exc:
         raise ConfigError(f"--model {exc}") from None
-    return model.to(device)
+    return spec, model.to(device)

@@ -1,0 +1,196 @@
+"""What the commands build from a plan or a run directory: the device, the loaders, the
+model (through its spec), the ``Trainer``, and a run's model restored from its checkpoint
+for the commands that continue no training (eval, sample, export)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..checkpoint import CHECKPOINT, READ_ONLY, Checkpointer, find_checkpoint, run_metadata
+from ..compiling import prepare_model
+from ..config import ConfigError, TrainConfig
+from ..contract import check_model
+from ..data import TokenDataLoader, check_vocab_fits, load_codec
+from ..distributed import Parallel
+from ..models import HubFolderError, ModelSpec, get_model_spec
+from ..optim import build_optimizer
+from ..state import TrainState
+from ..trainer import Trainer
+from .hub import check_tokenizer, load_folder
+from .resolve import (
+    Plan,
+    RunError,
+    model_config_from,
+    read_record,
+    recorded_model,
+    train_config_from,
+)
+
+
+def parse_device(name: str) -> torch.device:
+    """``--device``: auto, cpu, cuda or cuda:N, checked against this machine."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device: unknown device {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: k3-train trains on cpu or cuda only")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def max_seq_len_of(model_config: Any, config: TrainConfig) -> int:
+    """The longest sequence the model takes: its config's ``max_seq_len``, else the run's
+    ``seq_len`` (a model that declares none was trained on that)."""
+    length = getattr(model_config, "max_seq_len", None)
+    return length if isinstance(length, int) else config.seq_len
+
+
+def loaders(config: TrainConfig, model_config: Any, data_dir: Path,
+            parallel: Parallel | None) -> tuple[TokenDataLoader, TokenDataLoader]:
+    """Both loaders (this rank's rows), checked against the model's vocabulary and length."""
+    rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
+    train = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len,
+                            rank=rank, world_size=world)
+    val = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len,
+                          rank=rank, world_size=world)
+    vocab = getattr(model_config, "vocab_size", None)
+    if isinstance(vocab, int):
+        check_vocab_fits(train, vocab)
+    longest = getattr(model_config, "max_seq_len", None)
+    if isinstance(longest, int) and config.seq_len > longest:
+        raise ConfigError(f"seq_len {config.seq_len} exceeds the model's max_seq_len "
+                          f"{longest}")
+    return train, val
+
+
+def build_model(spec: ModelSpec, model_config: Any, device: torch.device) -> nn.Module:
+    return spec.build(model_config).to(device)
+
+
+def build_trainer(plan: Plan, device: torch.device, parallel: Parallel | None,
+                  checkpoint: Path | None) -> Trainer:
+    """Model, optimizer and loaders built from the plan, held by a ``Trainer`` (nothing
+    written yet).
+
+    Data parallel: the loaders read this rank's rows, every rank initializes the same
+    model from the seed, which is then sharded or replicated before the optimizer is
+    built (FSDP2 parameters become DTensors; DDP asks Muon for one owner per matrix).
+    Expert parallelism slices the routed experts first (the spec's hooks), so FSDP2
+    leaves them alone.
+    """
+    config, spec = plan.config, plan.spec
+    data = loaders(config, plan.model_config, plan.data_dir, parallel)
+    seed_everything(config.seed)
+    model = build_model(spec, plan.model_config, device)
+    if plan.init_from is not None:  # continued pretraining: the folder's weights
+        assert spec.hub is not None  # resolving refused a spec without one
+        try:
+            spec.hub.load_weights(model, plan.init_from)
+        except HubFolderError as exc:
+            raise ConfigError(f"--init-from {exc}") from None
+    distributed: bool | None = None
+    if config.expert_parallel > 1 and parallel is None:
+        raise ConfigError(f"--expert-parallel {config.expert_parallel} needs a torchrun launch "
+                          "with --parallel fsdp (e.g. k3-train train --nproc 2 --parallel fsdp)")
+    if parallel is not None:
+        parallel.shard_experts(model, config.expert_parallel, spec.expert_parallel)
+        # Activation checkpointing and compile before sharding/wrapping (the order PyTorch
+        # recommends); fit() finds them applied and leaves them be.
+        prepare_model(model, config)
+        if spec.set_token_gather is not None:
+            spec.set_token_gather(model, parallel.gather_rows)
+        parallel.wrap(model)
+        distributed = True if parallel.mode == "ddp" else None
+    optimizer = build_optimizer(model, config, distributed=distributed)
+    return Trainer(model, optimizer, data, config, parallel=parallel,
+                   checkpoint_path=checkpoint)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A model (and what it is measured on) for a command that trains nothing."""
+
+    spec: ModelSpec
+    model: nn.Module
+    model_config: Any
+    config: TrainConfig
+    state: TrainState
+    loaders: tuple[TokenDataLoader, TokenDataLoader]
+    data_dir: Path
+
+    @property
+    def max_seq_len(self) -> int:
+        return max_seq_len_of(self.model_config, self.config)
+
+
+def restore(run_dir: Path, data: Path | None, device: torch.device) -> Restored:
+    """The run's model rebuilt from its run.json with its weights, counters and loader
+    cursors read from the checkpoint, for commands that continue no training (eval,
+    sample, export): no optimizer is built, a sharded checkpoint is read into this one
+    process, another runtime (threads, torch version, device) is accepted, and everything
+    else is validated as strictly as for a resume. The loaders read the run's global batch
+    (every rank's rows), so validation measures the same tokens as the run's logged one."""
+    record = read_record(run_dir)
+    found = find_checkpoint(run_dir)
+    if found is None:
+        raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint")
+    spec = get_model_spec(recorded_model(record))
+    config = train_config_from(record["train_config"], {}, {})
+    world = _recorded_world_size(record)
+    model_config = model_config_from(spec, None, {}, record["model_config"])
+    data_dir = data or Path(record["data"]["dir"])
+    data_loaders = loaders(config.replace(batch_size=config.batch_size * world), model_config,
+                           data_dir, None)
+    seed_everything(config.seed)
+    model = build_model(spec, model_config, device)
+    state = TrainState()
+    states = {"model": model, "counters": state,
+              "loaders": {"train": data_loaders[0], "val": data_loaders[1]}}
+    Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY).load(found)
+    return Restored(spec, model, model_config, config, state, data_loaders, data_dir)
+
+
+def _recorded_world_size(record: dict[str, Any]) -> int:
+    """The data-parallel world size of the run's last session (1 when it recorded none)."""
+    sessions = record.get("sessions")
+    last = sessions[-1] if isinstance(sessions, list) and sessions else {}
+    layout = last.get("data_parallel") if isinstance(last, dict) else None
+    size = layout.get("world_size") if isinstance(layout, dict) else 1
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+
+
+def pretrained(folder: Path, data: Path | None, device: torch.device,
+               flag: str = "--model") -> Restored:
+    """A hub folder's model with the validation data it is evaluated on (``--data``,
+    prepared with the folder's tokenizer), read with the default recipe's batch shape."""
+    if data is None:
+        raise ConfigError(f"{flag} needs --data: a dataset prepared with the model's "
+                          "tokenizer (k3-train prepare ... --tokenizer MODEL/tokenizer.json)")
+    spec, model = load_folder(folder, device)
+    model_config = getattr(model, "config", None)
+    longest = getattr(model_config, "max_seq_len", None)
+    seq_len = TrainConfig().seq_len
+    config = TrainConfig(seq_len=min(seq_len, longest) if isinstance(longest, int) else seq_len)
+    data_loaders = loaders(config, model_config, data, None)
+    note = check_tokenizer(folder, load_codec(data, data_loaders[0].manifest), data, flag)
+    if note is not None:
+        print(f"k3-train: note: {note}", file=sys.stderr)
+    return Restored(spec, model, model_config, config, TrainState(), data_loaders, data)

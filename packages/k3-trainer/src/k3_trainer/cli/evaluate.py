@@ -1,0 +1,35 @@
+"""``k3-train eval``: the validation loss of a run's checkpoint or of a hub folder."""
+
+from __future__ import annotations
+
+import sys
+
+from ..evaluation import evaluate_split
+from .build import parse_device, pretrained, restore
+from .options import EvalCommand
+
+
+def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
+    """The loss over ``--batches`` full batches from the start of the validation split
+    (default: the run's ``eval_batches``; ``all``: the whole split), with the number of
+    tokens it measured."""
+    device = parse_device(command.device)
+    if command.model is not None:
+        run_ = pretrained(command.model, command.data, device)
+    else:
+        assert command.run_dir is not None  # argparse requires one of the two
+        run_ = restore(command.run_dir, command.data, device)
+    val = run_.loaders[1]
+    available = (val.num_tokens - 1) // val.tokens_per_batch
+    batches = command.batches
+    wanted = available if batches == "all" else int(batches or run_.config.eval_batches)
+    if wanted > available:
+        print(f"k3-train: note: --batches {wanted} is more than the validation split holds "
+              f"({available} full batches); evaluating all {available}", file=sys.stderr)
+        wanted = available
+    result = evaluate_split(run_.model, val, device, wanted, run_.config.precision)
+    bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
+    where = f"step {run_.state.step}" if command.model is None else str(command.model)
+    print(f"{where}: val_loss {result.loss:.4f}{bpb} "
+          f"({result.tokens:,} tokens in {wanted} of {available} batches)")
+    return 0

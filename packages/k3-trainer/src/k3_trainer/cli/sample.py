@@ -1,0 +1,72 @@
+"""``k3-train sample``: continue a prompt with a run's checkpoint or a hub folder."""
+
+from __future__ import annotations
+
+import sys
+
+from ..checkpoint import CHECKPOINT, find_checkpoint
+from ..config import ConfigError
+from ..data import Codec, load_codec
+from ..sample import Sampling, TextStream, context_room, sample_text
+from .build import parse_device, restore
+from .hub import folder_codec, load_folder
+from .options import SampleCommand
+from .resolve import RunError
+
+
+def run(command: SampleCommand, notes: tuple[str, ...] = ()) -> int:
+    """Print the prompt and its continuations from the run's checkpoint (strictly loaded)
+    or from a hub folder with its own tokenizer."""
+    try:
+        sampling = Sampling(command.max_new_tokens, temperature=command.temperature,
+                            top_k=command.top_k, seed=command.seed, top_p=command.top_p,
+                            num_samples=command.num_samples)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    device = parse_device(command.device)
+    if command.model is not None:
+        spec, model = load_folder(command.model, device)
+        codec = folder_codec(command.model, spec)
+        longest = getattr(getattr(model, "config", None), "max_seq_len", None)
+        if not isinstance(longest, int):
+            raise ConfigError(f"--model {command.model}: its model declares no max_seq_len")
+        max_seq_len = longest
+    else:
+        assert command.run_dir is not None  # argparse requires one of the two
+        if find_checkpoint(command.run_dir) is None:
+            raise RunError(f"{command.run_dir / CHECKPOINT} not found: {command.run_dir} has "
+                           "no checkpoint to sample from; train it first")
+        run_ = restore(command.run_dir, None, device)
+        model, codec = run_.model, load_codec(run_.data_dir, run_.loaders[0].manifest)
+        max_seq_len = run_.max_seq_len
+    if callable(getattr(model, "generate", None)):
+        _note_room(codec, command.prompt, sampling.max_new_tokens, max_seq_len)
+    many = sampling.num_samples > 1
+    stream = TextStream(codec) if sys.stdout.isatty() and not many else None
+    if stream is not None:  # a terminal: the text as it is produced
+        print(command.prompt, end="", flush=True)
+    texts = sample_text(model, codec, command.prompt, sampling, max_seq_len=max_seq_len,
+                        device=device, stream=stream)
+    for number, text in enumerate(texts, 1):
+        if stream is not None:
+            print(text[len(command.prompt) + stream.shown:])  # what was held back, if any
+            continue
+        if many:
+            print(f"--- sample {number} of {len(texts)} ---")
+        print(text)
+    return 0
+
+
+def _note_room(codec: Codec, prompt: str, max_new_tokens: int, max_seq_len: int) -> None:
+    """Say what decoding with the cache leaves out (:func:`context_room`): the new tokens
+    and the prompt's last tokens must fit in ``max_seq_len``."""
+    length = 1 + (len(codec.encode_batch([prompt])[0]) if prompt else 0)
+    kept, new_tokens = context_room(length, max_new_tokens, max_seq_len)
+    if new_tokens < max_new_tokens:
+        print(f"k3-train: note: --max-new-tokens {max_new_tokens} does not fit in the "
+              f"model's max_seq_len {max_seq_len}; generating at most {new_tokens}",
+              file=sys.stderr)
+    if kept < length:
+        print(f"k3-train: note: the prompt is {length} tokens; its last {kept} are read, "
+              f"leaving room for {new_tokens} new ones in max_seq_len {max_seq_len}",
+              file=sys.stderr)

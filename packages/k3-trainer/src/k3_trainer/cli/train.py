@@ -1,0 +1,179 @@
+"""``k3-train train``: resolve a plan (:mod:`.resolve`), build the trainer from it
+(:mod:`.build`), then train; ``--parallel`` ddp/fsdp joins torchrun's process group
+first."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import k3_checkpoint
+
+from ..callbacks import MetricsLog, Report
+from ..checkpoint import checkpoint_path
+from ..data.loader import manifest_digest, read_manifest
+from ..distributed import Parallel, init_parallel, shutdown
+from ..interrupt import StopOnSignal
+from ..precision import validate_precision
+from ..schedule import horizon_notes
+from ..state import TrainState
+from .build import build_trainer, parse_device
+from .options import TrainCommand
+from .record import Session, write_run_record
+from .resolve import METRICS, Plan, RunError, read_record, resolve
+from .threads import THREADS_ENV
+
+
+def run(command: TrainCommand, notes: tuple[str, ...] = ()) -> int:
+    """The session: resolved on every rank, executed, the process group left cleanly."""
+    parallel, device = init_parallel(command.parallel, parse_device(command.device))
+    clean = False
+    try:
+        status = execute(resolve(command, notes), device, parallel)
+        clean = True
+        return status
+    finally:
+        shutdown(parallel, clean=clean)
+
+
+def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
+    """Carry out ``plan``: check data, model and checkpoint before writing anything into
+    the run directory, then train with the plan's callbacks (rank 0 alone writes)."""
+    main = parallel is None or parallel.is_main
+    command, config = plan.command, plan.config
+    run_dir = command.run_dir
+    validate_precision(config.precision, device)
+    trainer = build_trainer(plan, device, parallel, checkpoint_path(run_dir, parallel))
+    runtime_changes: dict[str, Any] = {}
+    if plan.resume_from is not None:
+        try:
+            resumed = trainer.resume(plan.resume_from,
+                                     allow_runtime_change=command.allow_runtime_change)
+        except k3_checkpoint.CheckpointError as error:
+            raise _with_data_hint(_with_runtime_hint(error, command), plan) from error
+        runtime_changes = resumed.runtime_changes
+        if trainer.state.step >= config.max_steps:
+            # Success for a supervisor that restarts until the run is done.
+            print(f"k3-train: run already complete at step {trainer.state.step}; nothing to "
+                  "do (raise --max-steps to extend it)")
+            return 0
+    if parallel is not None:
+        parallel.barrier()  # every rank has checked the run directory before rank 0 writes
+    if not main:
+        with StopOnSignal(trainer):
+            trainer.fit()  # the same training, writing nothing but its share of checkpoints
+        return 0
+    try:  # the session's first writes: a run directory it cannot write is the user's to fix
+        if plan.resume_from is None:
+            (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_record(run_dir, Session(
+            config.to_dict(), plan.spec.name, plan.spec.config_dict(plan.model_config),
+            preset=plan.preset,
+            data_dir=str(plan.data_dir.resolve()),
+            manifest_digest=manifest_digest(read_manifest(plan.data_dir)),
+            device=str(device),
+            resumed_from_step=trainer.state.step if plan.resume_from is not None else None,
+            data_parallel=parallel.describe() if parallel is not None else None,
+            init_from=None if plan.init_from is None else str(plan.init_from.resolve())))
+        metrics = MetricsLog(run_dir / METRICS)
+    except PermissionError as error:
+        raise RunError(f"--run-dir {run_dir} is not writable ({error.strerror}: "
+                       f"{error.filename}); fix its permissions or choose another --run-dir"
+                       ) from None
+    # Said once every check has passed and the session is really going to train.
+    for note in (*plan.notes,
+                 *horizon_notes(config, horizon_unset=plan.horizon_unset)):
+        print(f"k3-train: note: {note}", file=sys.stderr)
+    with metrics:
+        trainer.callbacks.extend((metrics, *plan.callbacks))
+        if runtime_changes:
+            _report_runtime_changes(metrics, trainer.state, runtime_changes)
+        with StopOnSignal(trainer):
+            trainer.fit()
+        _summary(metrics, run_dir)
+    report = next((c for c in plan.callbacks if isinstance(c, Report)), None)
+    if report is not None and report.written is not None:
+        print(f"k3-train: report in {report.written}")
+    return 0
+
+
+def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
+                       command: TrainCommand) -> k3_checkpoint.CheckpointError:
+    """``error``, saying in command-line terms how to continue when what it refused is only
+    the runtime or the data-parallel layout: relaunch as the run last ran (its thread
+    count, its torchrun layout, from run.json), or opt in to the change."""
+    refused = error.reason.split(" — ", 1)[0]
+    if command.allow_runtime_change or refused not in ("incompatible runtime",
+                                                       "incompatible data_parallel"):
+        return error
+    relaunch = _relaunch_advice(command.run_dir, layout=refused.endswith("data_parallel"))
+    return k3_checkpoint.CheckpointError(
+        f"{error.reason}; {relaunch}pass --allow-runtime-change to continue anyway (no bitwise "
+        "promise)", path=error.path)
+
+
+def _relaunch_advice(run_dir: Path, *, layout: bool) -> str:
+    """``relaunch … or `` naming how the run's last session was launched, or ``""`` when
+    its record does not say (or says nothing this session could change)."""
+    try:
+        sessions = read_record(run_dir).get("sessions")
+    except RunError:
+        return ""
+    last = sessions[-1] if isinstance(sessions, list) and sessions else {}
+    if not isinstance(last, dict):
+        return ""
+    if layout:
+        recorded = last.get("data_parallel")
+        if not isinstance(recorded, dict):
+            return "relaunch in one process as the run was (no --parallel), or "
+        degree = recorded.get("expert_parallel")
+        experts = f" --expert-parallel {degree}" if isinstance(degree, int) else ""
+        return (f"relaunch as the run was launched (--parallel {recorded.get('mode')} "
+                f"--nproc {recorded.get('world_size')}{experts}), or ")
+    threads = (last.get("host") or {}).get("torch_threads")
+    if isinstance(threads, int) and threads != torch.get_num_threads():
+        return f"relaunch with {THREADS_ENV}={threads} as the run's last session ran, or "
+    return ""
+
+
+def _with_data_hint(error: k3_checkpoint.CheckpointError,
+                    plan: Plan) -> k3_checkpoint.CheckpointError:
+    """``error``, naming the dataset folders when the checkpoint belongs to other data."""
+    if "belongs to different data" not in error.reason or plan.recorded_data is None:
+        return error
+    return k3_checkpoint.CheckpointError(
+        f"{error.reason}; the run was trained on {plan.recorded_data}, this session "
+        f"reads {plan.data_dir} (pass --data with the run's dataset, unchanged)",
+        path=error.path)
+
+
+def _report_runtime_changes(log: MetricsLog, state: TrainState,
+                            changes: dict[str, Any]) -> None:
+    """``--allow-runtime-change`` accepted another runtime: say so, once, in both places."""
+    named = {key.removeprefix("runtime."): {"saved": saved, "current": current}
+             for key, (saved, current) in changes.items()}
+    log.write("runtime_changed", step=state.step, changes=named)
+    listed = ", ".join(f"{k} {v['saved']} → {v['current']}" for k, v in named.items())
+    print(f"k3-train: warning: resuming under another runtime ({listed}); the run continues "
+          "correctly but is no longer bitwise-identical to an uninterrupted one",
+          file=sys.stderr)
+
+
+def _summary(log: MetricsLog, run_dir: Path) -> None:
+    train_events = [e for e in log.events if e["event"] == "train"]
+    evals = [e for e in log.events if e["event"] == "eval"]
+    end: dict[str, Any] = next(
+        (e for e in reversed(log.events) if e["event"] == "session_end"), {})
+    parts = [f"step {end.get('step')}"]
+    if train_events:
+        parts.append(f"loss {train_events[0]['loss']:.3f} → {train_events[-1]['loss']:.3f}")
+    if evals:
+        parts.append(f"val_loss {evals[-1]['val_loss']:.3f}")
+    rates = [e["tokens_per_s"] for e in train_events if e.get("tokens_per_s")]
+    if rates:
+        parts.append(f"{sum(rates) / len(rates):,.0f} tokens/s (active training)")
+    print(f"k3-train: {', '.join(parts)}; run in {run_dir}")
