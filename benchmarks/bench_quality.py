@@ -18,7 +18,12 @@ The comparisons:
   (``dt_bias = 0``: a token keeps ≈ 8% of the state at init) against fla's
   (``dt_bias`` = inverse softplus of a log-uniform dt in [1e-3, 0.1]: ≈ 95%);
 - ``recipe``: the shipped defaults against one change each (spectral update scale, no
-  weight decay, a 3× longer warmup).
+  weight decay, a 3× longer warmup);
+- ``schedule``: the cosine schedule against warmup-stable-decay (WSD, the ``1-sqrt``
+  decay) over the last 10% and the last 20% of the run;
+- ``mixture``: a mixture of two sources, the corpus (``docs``) and Python's own standard
+  library source (``code``, prepared with the corpus's tokenizer), at 0.7/0.3 and 0.3/0.7,
+  with the final ``val_bpb`` of each source beside the mixture's (weighted) one.
 
 Runs go to ``--workers`` processes of ``--threads`` threads each (the best throughput
 on 2 cores), and each finished run is cached as JSON under ``--out-dir``, so an
@@ -67,6 +72,7 @@ class Candidate:
     optimizer: str = "muon_adamw"  # or "adamw": every parameter group AdamW
     gate_init: str = "k3"  # or "fla"
     match_active_by: str | None = None  # a model field tuned to the base's active params
+    mixture: tuple[tuple[str, float], ...] | None = None  # (source, weight): docs, code
 
 
 CANDIDATES = [
@@ -83,6 +89,10 @@ CANDIDATES = [
     Candidate("spectral update scale", train={"muon_update_scale": "spectral"}),
     Candidate("no weight decay", train={"weight_decay": 0.0}),
     Candidate("3x warmup", train={"warmup_steps": "3x"}),
+    Candidate("WSD, decay 10%", train={"lr_schedule": "wsd", "decay_fraction": 0.1}),
+    Candidate("WSD, decay 20%", train={"lr_schedule": "wsd", "decay_fraction": 0.2}),
+    Candidate("docs 0.7 / code 0.3", mixture=(("docs", 0.7), ("code", 0.3))),
+    Candidate("docs 0.3 / code 0.7", mixture=(("docs", 0.3), ("code", 0.7))),
 ]
 COMPARISONS = {
     "optimizer": [BASE, "K3 (AdamW)"],
@@ -91,6 +101,8 @@ COMPARISONS = {
     "ns_dtype": [BASE, "NS bf16"],
     "kda_gate_init": [BASE, "KDA gate init: fla"],
     "recipe": [BASE, "spectral update scale", "no weight decay", "3x warmup"],
+    "schedule": [BASE, "WSD, decay 10%", "WSD, decay 20%"],
+    "mixture": ["docs 0.7 / code 0.3", "docs 0.3 / code 0.7"],
 }
 SWEEP_CENTER = 3e-3  # the sweep: these multiples of it (fixed, so the defaults it chose
 LR_FACTORS = (1 / 3, 1.0, 3.0)  # can move without moving the sweep)
@@ -109,6 +121,10 @@ class Setup:
     seq_len: int
     eval_every: int
     vocab_size: int
+    code: str = ""
+    """The ``code`` source's dataset (prepared only when a mixture candidate runs)."""
+    code_corpus: str = ""
+    """Its tokens' digest, as ``corpus`` is the corpus's."""
 
 
 # --- one run (in a worker process) ---------------------------------------------------
@@ -204,15 +220,15 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
     import torch
 
     from k3_model import count_parameters
-    from k3_trainer import Callback, TokenDataLoader, Trainer
+    from k3_trainer import Callback, Trainer
 
     torch.set_num_threads(threads)
-    loaders = (TokenDataLoader(setup.data, "train", setup.batch_size, setup.seq_len),
-               TokenDataLoader(setup.data, "val", setup.batch_size, setup.seq_len))
-    val = loaders[1]  # every evaluation reads the whole validation split
+    loaders = _loaders(candidate, setup, seed)
+    # Every evaluation reads the whole validation split (each source's, for a mixture).
+    vals = getattr(loaders[1], "sources", None) or {"": loaders[1]}
     config = model_config(candidate, setup.vocab_size)
-    train = train_config(candidate, setup, lr, seed,
-                         eval_batches=max(1, (val.num_tokens - 1) // val.tokens_per_batch))
+    train = train_config(candidate, setup, lr, seed, eval_batches=max(1, min(
+        (v.num_tokens - 1) // v.tokens_per_batch for v in vals.values())))
     model, optimizer = build(candidate, setup, train, seed)
 
     class Curve(Callback):
@@ -231,7 +247,10 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
             state = trainer.state
             self.points.append({"step": state.step, "tokens": state.tokens_seen,
                                 "seconds": round(self.seconds, 2),
-                                "val_bpb": record["val_bpb"], "val_loss": record["val_loss"]})
+                                "val_bpb": record["val_bpb"], "val_loss": record["val_loss"],
+                                **({"by_source": {name: part["val_bpb"] for name, part in
+                                                  record["val_by_source"].items()}}
+                                   if "val_by_source" in record else {})})
 
     curve = Curve()
     state = Trainer(model, optimizer, loaders, train, callbacks=[curve]).fit()
@@ -242,10 +261,26 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
     return {"candidate": candidate.name, "lr": lr, "seed": seed, "steps": state.step,
             "tokens": state.tokens_seen, "train_seconds": round(curve.seconds, 2),
             "tokens_per_s": state.tokens_seen / curve.seconds, "val_bpb": final["val_bpb"],
+            **({"val_bpb_by_source": final["by_source"]} if "by_source" in final else {}),
             "finite": math.isfinite(final["val_bpb"]), "curve": curve.points,
             "active_params": params.active, "total_params": params.total,
             "model_overrides": {k: v for k, v in config.to_dict().items()
                                 if v != _tiny_default(k, setup.vocab_size)}}
+
+
+def _loaders(candidate: Candidate, setup: Setup, seed: int) -> tuple[Any, Any]:
+    """The corpus's loaders, or the candidate's mixture of ``docs`` (the corpus) and
+    ``code`` (the schedule of batches seeded with the run's seed)."""
+    from k3_trainer import TokenDataLoader
+    from k3_trainer.data import MixtureLoader, Source
+
+    if candidate.mixture is None:
+        return tuple(TokenDataLoader(setup.data, split, setup.batch_size, setup.seq_len)
+                     for split in ("train", "val"))
+    paths = {"docs": setup.data, "code": setup.code}
+    sources = [Source(name, Path(paths[name]), weight) for name, weight in candidate.mixture]
+    return tuple(MixtureLoader(sources, split, setup.batch_size, setup.seq_len, seed=seed)
+                 for split in ("train", "val"))
 
 
 def throughput(candidates: list[Candidate], setup: Setup, table: dict[str, dict[str, Any]], *,
@@ -296,8 +331,12 @@ def lrs_for(candidate: Candidate, default_lr: float, quick: bool) -> list[float]
 
 
 def run_key(candidate: Candidate, setup: Setup, lr: float, seed: int) -> str:
-    shared = {k: v for k, v in asdict(setup).items() if k != "data"}
-    blob = json.dumps([asdict(candidate), shared, lr, seed, BASE_RECIPE], sort_keys=True)
+    # Fields added later are left out at their defaults, so earlier cached runs still match.
+    shared = {k: v for k, v in asdict(setup).items() if k not in ("data", "code")}
+    if candidate.mixture is not None:
+        shared["code_corpus"] = setup.code_corpus
+    own = {k: v for k, v in asdict(candidate).items() if k != "mixture" or v is not None}
+    blob = json.dumps([own, shared, lr, seed, BASE_RECIPE], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -403,6 +442,9 @@ def summarize(done: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "tokens_per_s": None,  # side by side, from throughput()
             "sweep": {f"{r['lr']:g}": r["val_bpb"] for r in sweep},
             "active_params": best["active_params"], "model_overrides": best["model_overrides"],
+            "by_source": {source: statistics.fmean(r["val_bpb_by_source"][source]
+                                                   for r in at_best)
+                          for source in best.get("val_bpb_by_source", {})},
             "curve": [(p[0]["tokens"], statistics.fmean(q["val_bpb"] for q in p))
                       for p in zip(*(r["curve"] for r in at_best))],
         }
@@ -423,9 +465,17 @@ def print_tables(table: dict[str, dict[str, Any]]) -> None:
             rows.append([name, f"{t['val_bpb_mean']:.4f} ± {t['val_bpb_spread'] / 2:.4f}",
                          f"{t['best_lr']:g}", f"{t['tokens_per_s']:.0f}",
                          f"{t['active_params'] / 1e6:.2f} M", sweep])
+        sources = sorted({s for n in names for s in table[n]["by_source"]})
+        if sources:  # a mixture: each source's val_bpb (mean of the seeds) after the sweep
+            for row, name in zip(rows, sorted(names, key=lambda n: table[n]["val_bpb_mean"])):
+                row[5:5] = [f"{table[name]['by_source'][s]:.4f}" for s in sources]
         print_table(f"quality: {comparison}", ["candidate", "val_bpb (seeds)", "best LR",
-                                               "tok/s", "active", "LR sweep (seed 0)"], rows)
+                                               "tok/s", "active",
+                                               *(f"{s} val_bpb" for s in sources),
+                                               "LR sweep (seed 0)"], rows)
         ranked = sorted(names, key=lambda n: table[n]["val_bpb_mean"])
+        if sources:  # each mixture's val_bpb weighs its sources its own way: not comparable
+            continue
         for other in ranked[1:]:
             share = tokens_to_reach(table[ranked[0]]["curve"], table[other]["val_bpb_mean"])
             if share is not None:
@@ -511,7 +561,7 @@ def main() -> None:
         parser.error(f"--only: unknown candidate(s) {', '.join(map(repr, unknown))}; "
                      f"known: {known}")
     if args.quick:
-        args.steps, args.batch_size, args.seq_len = 4, 2, 64
+        args.steps, args.batch_size, args.seq_len = 10, 2, 64  # WSD 10%: one decay step
     with tempfile.TemporaryDirectory(prefix="k3-quality-") as scratch:
         try:
             run(args, Path(scratch))
@@ -534,14 +584,17 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
           f"{time.perf_counter() - start:.1f} s: {splits['train']['tokens']:,} train tokens, "
           f"{splits['val']['tokens']:,} validation tokens", flush=True)
     vocab = -(-manifest["vocab_size"] // 128) * 128
-    shards = [s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]]
-    corpus = hashlib.sha256(" ".join(shards).encode()).hexdigest()[:16]
-    setup = Setup(str(data), corpus, args.steps, args.batch_size, args.seq_len,
-                  eval_every=max(1, args.steps // 6), vocab_size=vocab)
+    candidates = [c for c in CANDIDATES if not args.only or c.name in args.only]
+    code, code_corpus = "", ""
+    if any(c.mixture for c in candidates):
+        code_manifest = prepare_code(scratch, data, int(splits["train"]["bytes"]))
+        code, code_corpus = str(scratch / "code"), _digest(code_manifest)
+    setup = Setup(str(data), _digest(manifest), args.steps, args.batch_size, args.seq_len,
+                  eval_every=max(1, args.steps // 6), vocab_size=vocab, code=code,
+                  code_corpus=code_corpus)
     epochs = args.steps * args.batch_size * args.seq_len / splits["train"]["tokens"]
     print(f"each run: {args.steps} steps of {args.batch_size}×{args.seq_len} tokens "
           f"({epochs:.1f} epochs of the training split)", flush=True)
-    candidates = [c for c in CANDIDATES if not args.only or c.name in args.only]
     runs = Runs(scratch / "runs" if args.quick else args.out_dir)
     done = schedule(candidates, setup, runs, workers=args.workers, threads=args.threads,
                     default_lr=SWEEP_CENTER, quick=args.quick,
@@ -562,6 +615,37 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
 
         write_json(args.json, {"setup": asdict(setup), "epochs": epochs,
                                "candidates": table, "runs": done})
+
+
+def _digest(manifest: dict[str, Any]) -> str:
+    """The prepared tokens' identity: a digest of their shards' checksums."""
+    shards = [s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]]
+    return hashlib.sha256(" ".join(shards).encode()).hexdigest()[:16]
+
+
+def prepare_code(scratch: Path, docs: Path, size: int) -> dict[str, Any]:
+    """The ``code`` source: Python's standard library modules (sorted by path, as many as
+    make about ``size`` bytes), prepared with the corpus's tokenizer into
+    ``scratch/code``."""
+    import sysconfig
+
+    from k3_trainer import prepare_dataset
+    from k3_trainer.data.options import PrepareOptions
+
+    folder, total = scratch / "code-text", 0
+    folder.mkdir()
+    for number, path in enumerate(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        (folder / f"{number:04d}.txt").write_text(text, encoding="utf-8")
+        total += len(text.encode())
+        if total >= size:
+            break
+    manifest = prepare_dataset([folder], scratch / "code",
+                               PrepareOptions(tokenizer=str(docs / "tokenizer.json")))
+    stats = manifest["split_stats"]
+    print(f"code source: {total:,} bytes of the standard library, {stats['train']['tokens']:,} "
+          f"train and {stats['val']['tokens']:,} validation tokens", flush=True)
+    return manifest
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ BAD_VALUES = {
     "warmup_steps": [-1, 0.5],
     "decay_steps": [0],
     "min_lr_ratio": [-0.1, 1.5],
+    "decay_fraction": [0.0, 1.5, float("nan"), "0.2"],
+    "decay_shape": ["exp", None],
     "max_steps": [0],
     "log_interval": [0],
     "eval_interval": [0],

@@ -90,7 +90,7 @@ def test_export_refuses_to_replace_a_folder_unless_told(run, capsys):
 
 
 def test_init_from_starts_a_fresh_run_from_the_folders_weights(run, data_dir, tmp_path):
-    resolved = resolve(TrainCommand(tmp_path / "cont", data=data_dir, init_from=run / "out",
+    resolved = resolve(TrainCommand(tmp_path / "cont", data=[str(data_dir)], init_from=run / "out",
                                     train_fields={"seq_len": 16, "batch_size": 2},
                                     model_fields={"kda_chunk_size": 16}))
     assert resolved.init_from == run / "out" and resolved.resume_from is None

@@ -153,7 +153,7 @@ def test_a_users_callback_joins_a_commands_run_in_one_place(data_dir, tmp_path):
     from k3_trainer.cli.train import execute
 
     tracker = _Tracker()
-    plan = resolve(TrainCommand(tmp_path / "run", data=data_dir, train_fields={
+    plan = resolve(TrainCommand(tmp_path / "run", data=[str(data_dir)], train_fields={
         "batch_size": 2, "seq_len": 16, "eval_batches": 1, "max_steps": 3,
         "log_interval": 1}))
     plan = dataclasses.replace(plan, callbacks=(*plan.callbacks, tracker))

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 Precision = Literal["fp32", "bf16", "fp16"]
-Schedule = Literal["constant", "cosine"]
+Schedule = Literal["constant", "cosine", "wsd"]
+DecayShape = Literal["linear", "cosine", "1-sqrt"]
 NSDtype = Literal["auto", "bf16", "fp32", "fp64"]
 # The names k3-optim and k3-qkclip accept, spelled here so that validating a config and
 # listing them in ``k3-train train --help`` import no torch; a test keeps them equal to
@@ -69,13 +70,19 @@ class TrainConfig:
     """Gradient-norm clipping threshold (0: no clipping)."""
     # schedule
     lr_schedule: Schedule = "cosine"
-    """Learning-rate shape after warmup."""
+    """Learning-rate shape after warmup (wsd: warmup, stable at the peak, then a decay over
+    the last decay_fraction of decay_steps)."""
     warmup_steps: int | None = None
     """Linear warmup steps (unset: min(20, decay_steps // 10))."""
     decay_steps: int | None = None
-    """Cosine horizon in steps (unset: the first session's max_steps, then fixed)."""
+    """Step at which the decay reaches its floor (unset: the first session's max_steps, then
+    fixed)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of peak_lr."""
+    decay_fraction: float = 0.2
+    """wsd: the fraction of decay_steps the final decay takes (it ends at decay_steps)."""
+    decay_shape: DecayShape = "1-sqrt"
+    """wsd: the decay's shape from the peak to the floor."""
     # run length and intervals (successful steps)
     max_steps: int = 300
     """Successful optimizer updates to train to (a resume may raise it)."""
@@ -145,13 +152,40 @@ class TrainConfig:
                 f"warmup_steps ({self.warmup_steps}) must be smaller than decay_steps "
                 f"({self.decay_steps}) for the cosine schedule"
             )
+        _number(self, "decay_fraction", low=0.0, high=1.0, low_open=True, high_closed=True)
+        if self.lr_schedule == "wsd":
+            if self.decay_length < 1:
+                raise ConfigError(
+                    f"decay_fraction {self.decay_fraction} of decay_steps {self.decay_steps} "
+                    "is less than one step: the wsd decay needs at least one")
+            if self.warmup_steps > self.decay_start:  # type: ignore[operator]
+                raise ConfigError(
+                    f"warmup_steps ({self.warmup_steps}) must end by the wsd decay's start "
+                    f"(step {self.decay_start} = decay_steps {self.decay_steps} minus "
+                    f"decay_fraction {self.decay_fraction} of it)")
 
     @property
     def tokens_per_update(self) -> int:
         return self.batch_size * self.seq_len * self.gradient_accumulation_steps
 
+    @property
+    def decay_length(self) -> int:
+        """wsd: the steps of the final decay, ``round(decay_fraction · decay_steps)``."""
+        return round(self.decay_fraction * int(self.decay_steps or 0))
+
+    @property
+    def decay_start(self) -> int:
+        """wsd: the last step at the peak; the decay runs over the steps after it."""
+        return int(self.decay_steps or 0) - self.decay_length
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, those added after 0.1.0 left out at their defaults (an earlier run's
+        recorded config and checkpoint then still compare equal)."""
+        data = dataclasses.asdict(self)
+        for name, default in LATER_FIELDS.items():
+            if data[name] == default:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -164,6 +198,10 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+LATER_FIELDS: dict[str, Any] = {"decay_fraction": 0.2, "decay_shape": "1-sqrt"}
+"""Fields added after 0.1.0 with their defaults (which keep an earlier run's meaning)."""
 
 
 def _int(cfg: TrainConfig, name: str, *, low: int) -> None:

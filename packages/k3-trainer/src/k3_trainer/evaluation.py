@@ -4,8 +4,9 @@ and the same loss in bits per UTF-8 byte (comparable across tokenizers)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ class EvalResult:
     loss: float
     tokens: int
     bytes: int | None
+    by_source: Mapping[str, EvalResult] | None = None
+    """A mixture's result per source; then ``loss`` is their weighted mean and ``bytes``
+    the tokens' weighted bytes per token × ``tokens`` (so ``bpb`` is the mixture's)."""
 
     @property
     def bpb(self) -> float | None:
@@ -49,7 +53,16 @@ def evaluate_split(model: nn.Module, loader: BatchLoader, device: torch.device |
 
     Data parallel: each rank evaluates its rows of every batch and ``all_reduce`` (an
     in-place sum over ranks) combines the sums, so every rank gets the global result.
+
+    A mixture (a loader with ``sources`` and ``weights``, :class:`~k3_trainer.data.
+    MixtureLoader`) is evaluated source by source, ``max_batches`` each, and combined by
+    its weights (:attr:`EvalResult.by_source`).
     """
+    sources = getattr(loader, "sources", None)
+    if isinstance(sources, Mapping):
+        return _mixture(model, sources, loader.weights,  # type: ignore[attr-defined]
+                        lambda part: evaluate_split(model, part, device, max_batches,
+                                                    precision, all_reduce=all_reduce))
     device = torch.device(device)
     table = getattr(loader, "token_bytes", None)
     rng = capture_rng()
@@ -84,6 +97,20 @@ def evaluate_split(model: nn.Module, loader: BatchLoader, device: torch.device |
     finally:
         model.train(was_training)
         restore_rng(rng)
+
+
+def _mixture(model: nn.Module, sources: Mapping[str, Any], weights: Mapping[str, float],
+             measure: Callable[[Any], EvalResult]) -> EvalResult:
+    """Each source measured on its own, then the weighted mean of nats and bytes per
+    token."""
+    parts = {name: measure(part) for name, part in sources.items()}
+    loss = sum(weights[name] * part.loss for name, part in parts.items())
+    tokens = sum(part.tokens for part in parts.values())
+    if any(part.bytes is None for part in parts.values()):
+        return EvalResult(loss, tokens, None, parts)
+    per_token = sum(weights[name] * (part.bytes or 0) / part.tokens
+                    for name, part in parts.items())
+    return EvalResult(loss, tokens, round(per_token * tokens), parts)
 
 
 def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device | str,

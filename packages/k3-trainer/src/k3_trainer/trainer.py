@@ -12,6 +12,7 @@ log/evaluation/checkpoint is due (all three on the last step). A stop requested 
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 from collections.abc import Iterable
@@ -45,6 +46,8 @@ from .state import ScalerState, TrainState
 
 MAX_CONSECUTIVE_SKIPS = 32
 Batch = tuple[torch.Tensor, torch.Tensor]  # as data.protocol's
+
+logger = logging.getLogger(__name__)
 
 
 class Loaders(NamedTuple):
@@ -139,10 +142,15 @@ class Trainer:
             states["callbacks"] = self.callbacks.states()
         return states
 
-    def resume(self, path: str | Path, *, allow_runtime_change: bool = False) -> Resumed:
+    def resume(self, path: str | Path, *, allow_runtime_change: bool = False,
+               new_phase: bool = False) -> Resumed:
         """Restore the run from the checkpoint at ``path`` (see :meth:`Checkpointer.load`):
-        :attr:`state` then holds the saved counters."""
-        resumed = self.checkpointer.load(path, allow_runtime_change=allow_runtime_change)
+        :attr:`state` then holds the saved counters. ``new_phase``: this run starts a new
+        phase, whose decay (``lr_schedule``, ``decay_steps``, ``decay_fraction``,
+        ``decay_shape``, ``min_lr_ratio``) may differ from the checkpoint's; its loaders say
+        themselves whether they take another data's cursors (``MixtureLoader(adopt=True)``)."""
+        resumed = self.checkpointer.load(path, allow_runtime_change=allow_runtime_change,
+                                         new_phase=new_phase)
         self._fixed_batch = None  # reread at the restored offset
         return resumed
 
@@ -333,7 +341,9 @@ class Trainer:
     def log_window(self) -> None:
         """Report the log window's summary (``train`` event) and start a new window."""
         with self.profiler.region("log"):
+            by_source = getattr(self.loaders.train, "tokens_by_source", None)
             self._event("train", step=self.state.step, tokens_seen=self.state.tokens_seen,
+                        **({"tokens_by_source": by_source()} if callable(by_source) else {}),
                         skipped_updates=self.state.skipped_updates,
                         **self.window.summary(self.profiler),
                         **self.moe.summary(self.window.updates + self.window.skipped))
@@ -346,8 +356,11 @@ class Trainer:
                 self.model, self.loaders.val, self.device, self.config.eval_batches,
                 self.config.precision,
                 all_reduce=self.parallel.sum_ if self.parallel is not None else None)
+        by_source = {} if result.by_source is None else {"val_by_source": {
+            name: {"val_loss": part.loss, "val_bpb": part.bpb, "val_tokens": part.tokens}
+            for name, part in result.by_source.items()}}
         self._event("eval", step=self.state.step, val_loss=result.loss, val_bpb=result.bpb,
-                    val_tokens=result.tokens, tokens_seen=self.state.tokens_seen)
+                    val_tokens=result.tokens, tokens_seen=self.state.tokens_seen, **by_source)
 
     def save_checkpoint(self) -> str:
         """Write the checkpoint at this update boundary (``checkpoint`` event); returns its
@@ -385,6 +398,11 @@ class Trainer:
         except DataExhausted:
             train.reset()
             batch = train.next_batch()
+        pop_epochs = getattr(train, "pop_epochs", None)
+        for source, epoch in pop_epochs() if callable(pop_epochs) else ():
+            logger.warning("data source %r ran out at step %d and starts over (epoch %d): "
+                           "its tokens are now seen again", source, self.state.step + 1, epoch)
+            self._event("epoch", step=self.state.step + 1, source=source, epoch=epoch)
         return _to_device(batch, self.device)
 
 

@@ -51,6 +51,7 @@ _HOOK_OF_EVENT = {
     "train": "on_log",
     "eval": "on_eval_end",
     "checkpoint": "on_checkpoint_saved",
+    "epoch": "on_data_epoch",
     "session_end": "on_session_end",
 }
 
@@ -88,6 +89,10 @@ class Callback:
 
     def on_checkpoint_saved(self, trainer: Run, record: Record) -> None:
         """A checkpoint was published (``checkpoint`` event: ``path``, ``digest``)."""
+
+    def on_data_epoch(self, trainer: Run, record: Record) -> None:
+        """A mixture's source ran out and starts over (``epoch`` event: ``source``,
+        ``epoch``)."""
 
     def on_session_end(self, trainer: Run, record: Record) -> None:
         """The session trained to ``max_steps`` (``session_end`` event: phase times)."""

@@ -63,6 +63,9 @@ class MetricsLog(Callback):
     def on_checkpoint_saved(self, trainer: Run, record: Record) -> None:
         self.append(record)
 
+    def on_data_epoch(self, trainer: Run, record: Record) -> None:
+        self.append(record)
+
     def on_session_end(self, trainer: Run, record: Record) -> None:
         self.append(record)
 

@@ -25,7 +25,7 @@ import k3_checkpoint
 from ..distributed import Parallel
 from .agreement import Snapshot, load_on_every_rank, raise_on_every_rank
 from .files import CheckpointWriteError, drop_other_form
-from .policy import TRAINER_POLICY, relaxed, runtime_changes
+from .policy import TRAINER_POLICY, phase_policy, relaxed, runtime_changes
 from .sharded import is_sharded, read_sharded, reshard, write_sharded
 
 _TENSORS = ("model", "optimizer")  # what a sharded checkpoint keeps in DCP shards
@@ -86,7 +86,8 @@ class Checkpointer:
             drop_other_form(path)
         return digest
 
-    def load(self, path: str | Path, *, allow_runtime_change: bool = False) -> Resumed:
+    def load(self, path: str | Path, *, allow_runtime_change: bool = False,
+             new_phase: bool = False) -> Resumed:
         """Validate everything against the live run, then restore every state and the RNG.
 
         Raises ``k3_checkpoint.CheckpointError`` (a ``ValueError``) naming the first problem
@@ -94,10 +95,12 @@ class Checkpointer:
         ``allow_runtime_change`` accepts another torch version, CUDA version, device or
         thread count and another data-parallel layout, and reports what changed. A sharded
         checkpoint loads into any layout, one process included; a single file loads under
-        one process and DDP.
+        one process and DDP. ``new_phase`` accepts a changed decay
+        (:data:`~k3_trainer.checkpoint.policy.PHASE_MAY_CHANGE`).
         """
         path = Path(path)
         policy = relaxed(self.policy) if allow_runtime_change else self.policy
+        policy = phase_policy(policy) if new_phase else policy
         if is_sharded(path):
             loaded = read_sharded(path, self.model, self.optimizer, self._small(),
                                   self._sharded_metadata(), policy, self.parallel)

@@ -31,6 +31,22 @@ TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
     step_limit=("train_config.max_steps", "counters.step"),
 )
 
+PHASE_MAY_CHANGE = frozenset(f"train_config.{name}" for name in (
+    "lr_schedule", "decay_steps", "decay_fraction", "decay_shape", "min_lr_ratio"))
+"""What a new phase of a run (``Trainer.resume(new_phase=True)``, ``--phase``) may change
+beside :data:`TRAINER_POLICY`'s fields: the decay. Its loaders may read other data too
+(a mixture loader built with ``adopt``)."""
+
+
+def phase_policy(policy: k3_checkpoint.CompatibilityPolicy
+                 ) -> k3_checkpoint.CompatibilityPolicy:
+    """``policy`` that also accepts a new phase's changes (:data:`PHASE_MAY_CHANGE`)."""
+    return k3_checkpoint.CompatibilityPolicy(
+        may_grow=policy.may_grow, may_differ=policy.may_differ | PHASE_MAY_CHANGE,
+        step_limit=policy.step_limit, runtime_may_differ=policy.runtime_may_differ,
+        check=policy.check)
+
+
 PORTABLE_RUNTIME = frozenset({"torch_version", "cuda_version", "device_type", "num_threads"})
 """Runtime-signature keys that legitimately differ between machines; ``allow_runtime_change``
 accepts a change in these (and gives up bitwise continuation). Dtypes and determinism

@@ -18,7 +18,16 @@ from ..checkpoint import CHECKPOINT, READ_ONLY, Checkpointer, find_checkpoint, r
 from ..compiling import prepare_model
 from ..config import ConfigError, TrainConfig
 from ..contract import check_model
-from ..data import TokenDataLoader, check_vocab_fits, load_codec
+from ..data import (
+    BatchLoader,
+    Codec,
+    MixtureLoader,
+    Source,
+    TokenDataLoader,
+    check_vocab_fits,
+    load_codec,
+    read_manifest,
+)
 from ..distributed import Parallel
 from ..models import HubFolderError, ModelSpec, get_model_spec
 from ..optim import build_optimizer
@@ -31,6 +40,7 @@ from .resolve import (
     model_config_from,
     read_record,
     recorded_model,
+    recorded_sources,
     train_config_from,
 )
 
@@ -64,13 +74,25 @@ def max_seq_len_of(model_config: Any, config: TrainConfig) -> int:
 
 
 def loaders(config: TrainConfig, model_config: Any, data_dir: Path,
-            parallel: Parallel | None) -> tuple[TokenDataLoader, TokenDataLoader]:
-    """Both loaders (this rank's rows), checked against the model's vocabulary and length."""
+            parallel: Parallel | None, sources: tuple[Source, ...] = (), *,
+            adopt: bool = False) -> tuple[BatchLoader, BatchLoader]:
+    """Both loaders (this rank's rows) of one dataset or of a mixture of ``sources``
+    (``adopt``: a new phase, which may read another mixture than its checkpoint's),
+    checked against the model's vocabulary and length."""
     rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
-    train = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len,
-                            rank=rank, world_size=world)
-    val = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len,
-                          rank=rank, world_size=world)
+    train: BatchLoader
+    val: BatchLoader
+    if sources:
+        if config.overfit_batch:
+            raise ConfigError("overfit_batch reads one dataset, not a mixture")
+        train, val = (MixtureLoader(sources, split, config.batch_size, config.seq_len,
+                                    seed=config.seed, rank=rank, world_size=world,
+                                    adopt=adopt) for split in ("train", "val"))
+    else:
+        train = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len,
+                                rank=rank, world_size=world)
+        val = TokenDataLoader(data_dir, "val", config.batch_size, config.seq_len,
+                              rank=rank, world_size=world)
     vocab = getattr(model_config, "vocab_size", None)
     if isinstance(vocab, int):
         check_vocab_fits(train, vocab)
@@ -97,7 +119,8 @@ def build_trainer(plan: Plan, device: torch.device, parallel: Parallel | None,
     leaves them alone.
     """
     config, spec = plan.config, plan.spec
-    data = loaders(config, plan.model_config, plan.data_dir, parallel)
+    data = loaders(config, plan.model_config, plan.data_dir, parallel, plan.sources,
+                   adopt=plan.phase is not None)
     seed_everything(config.seed)
     model = build_model(spec, plan.model_config, device)
     if plan.init_from is not None:  # continued pretraining: the folder's weights
@@ -133,12 +156,16 @@ class Restored:
     model_config: Any
     config: TrainConfig
     state: TrainState
-    loaders: tuple[TokenDataLoader, TokenDataLoader]
+    loaders: tuple[BatchLoader, BatchLoader]
     data_dir: Path
 
     @property
     def max_seq_len(self) -> int:
         return max_seq_len_of(self.model_config, self.config)
+
+    def codec(self) -> Codec:
+        """The tokenizer the data was prepared with (every source of a mixture shares it)."""
+        return load_codec(self.data_dir, read_manifest(self.data_dir))
 
 
 def restore(run_dir: Path, data: Path | None, device: torch.device) -> Restored:
@@ -158,7 +185,7 @@ def restore(run_dir: Path, data: Path | None, device: torch.device) -> Restored:
     model_config = model_config_from(spec, None, {}, record["model_config"])
     data_dir = data or Path(record["data"]["dir"])
     data_loaders = loaders(config.replace(batch_size=config.batch_size * world), model_config,
-                           data_dir, None)
+                           data_dir, None, () if data is not None else recorded_sources(record))
     seed_everything(config.seed)
     model = build_model(spec, model_config, device)
     state = TrainState()
@@ -190,7 +217,7 @@ def pretrained(folder: Path, data: Path | None, device: torch.device,
     seq_len = TrainConfig().seq_len
     config = TrainConfig(seq_len=min(seq_len, longest) if isinstance(longest, int) else seq_len)
     data_loaders = loaders(config, model_config, data, None)
-    note = check_tokenizer(folder, load_codec(data, data_loaders[0].manifest), data, flag)
+    note = check_tokenizer(folder, load_codec(data, read_manifest(data)), data, flag)
     if note is not None:
         print(f"k3-train: note: {note}", file=sys.stderr)
     return Restored(spec, model, model_config, config, TrainState(), data_loaders, data)

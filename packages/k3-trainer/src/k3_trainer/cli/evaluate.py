@@ -20,7 +20,8 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
         assert command.run_dir is not None  # argparse requires one of the two
         run_ = restore(command.run_dir, command.data, device)
     val = run_.loaders[1]
-    available = (val.num_tokens - 1) // val.tokens_per_batch
+    parts = getattr(val, "sources", None) or {"": val}  # a mixture: its smallest source
+    available = min((part.num_tokens - 1) // part.tokens_per_batch for part in parts.values())
     batches = command.batches
     wanted = available if batches == "all" else int(batches or run_.config.eval_batches)
     if wanted > available:
@@ -30,6 +31,10 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
     result = evaluate_split(run_.model, val, device, wanted, run_.config.precision)
     bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
     where = f"step {run_.state.step}" if command.model is None else str(command.model)
+    mixture = "" if result.by_source is None else ", mixture by weight"
     print(f"{where}: val_loss {result.loss:.4f}{bpb} "
-          f"({result.tokens:,} tokens in {wanted} of {available} batches)")
+          f"({result.tokens:,} tokens in {wanted} of {available} batches{mixture})")
+    for name, part in (result.by_source or {}).items():
+        part_bpb = "" if part.bpb is None else f", val_bpb {part.bpb:.4f}"
+        print(f"  {name}: val_loss {part.loss:.4f}{part_bpb} ({part.tokens:,} tokens)")
     return 0

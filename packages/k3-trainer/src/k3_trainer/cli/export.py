@@ -3,7 +3,6 @@ tokenizer, written by the run's model spec's hub format."""
 
 from __future__ import annotations
 
-from ..data import load_codec
 from .build import parse_device, restore
 from .hub import export_model
 from .options import ExportCommand
@@ -11,7 +10,7 @@ from .options import ExportCommand
 
 def run(command: ExportCommand, notes: tuple[str, ...] = ()) -> int:
     run_ = restore(command.run_dir, command.data, parse_device(command.device))
-    codec = load_codec(run_.data_dir, run_.loaders[0].manifest)
+    codec = run_.codec()
     written = export_model(run_.model.cpu(), run_.spec, codec, command.out,
                            max_seq_len=run_.max_seq_len, dtype=command.dtype,
                            overwrite=command.overwrite)

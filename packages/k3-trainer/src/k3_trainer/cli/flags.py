@@ -122,6 +122,8 @@ class Flag:
     """Options of one group are mutually exclusive."""
     group_required: bool = False
     """One option of the group must be given."""
+    repeat: bool = False
+    """May be given several times; the field receives the list (None when never given)."""
     collect: str | None = None
     """Not a flag: the field receives the generated config flags of this ``dest_prefix``
     that were given (:func:`given`)."""
@@ -160,6 +162,10 @@ def add_option_flags(parser: argparse.ArgumentParser, cls: type, *,
         kwargs: dict[str, Any] = {"help": help_line}
         if kind is bool:
             kwargs.update(action="store_true")
+        elif flag.repeat:
+            kwargs.update(action="append")
+            if flag.metavar is not None:
+                kwargs["metavar"] = flag.metavar
         else:
             if item.name in choices:
                 kwargs["choices"] = choices[item.name]

@@ -78,10 +78,12 @@ class PrepareCommand:
 class TrainCommand:
     run_dir: Path
     """the run's folder: checkpoint, metrics.jsonl, run.json"""
-    data: Path | None = None
-    """dataset folder (default: built-in corpus)"""
+    data: list[str] | None = option(None, repeat=True, metavar="DIR|NAME=DIR:WEIGHT")
+    """a dataset folder, or a weighted mixture of several, one NAME=DIR:WEIGHT each (e.g.
+    --data web=data/web:0.7 --data code=data/code:0.3; default: the built-in corpus, or
+    the config file's [data.sources])"""
     config: Path | None = None
-    """TOML file: preset, [train], [model]"""
+    """TOML file: preset, [train], [model], [data.sources]"""
     model: str | None = option(None, metavar="NAME")
     """the model to train, by its registered name; the model flags below are its config's
     (default: k3, or the resumed run's)"""
@@ -105,6 +107,10 @@ class TrainCommand:
     """trace attempts from this step with torch.profiler"""
     profile_steps: int = option(3, metavar="N")
     """attempts in the trace window (at most 20)"""
+    phase: str | None = option(None, metavar="NAME")
+    """with --resume: start a new phase of the run (e.g. anneal), in which the data (or its
+    mixture) and the decay (lr_schedule, decay_steps, decay_fraction, decay_shape,
+    min_lr_ratio) may change; recorded as a phase_start event and in run.json"""
     allow_runtime_change: bool = False
     """with --resume: accept a checkpoint written under another torch version, thread count
     or device (logged as runtime_changed; bitwise continuation is then no longer promised)"""

@@ -60,6 +60,10 @@ class Session:
     data_parallel: dict[str, Any] | None = None
     init_from: str | None = None
     """The hub folder whose weights a fresh run started from (``--init-from``)."""
+    sources: list[dict[str, Any]] | None = None
+    """A mixture's sources: name, dir, weight, manifest_digest (None: one dataset)."""
+    phase: dict[str, Any] | None = None
+    """A phase this session starts: name, step, changes."""
 
 
 def write_run_record(run_dir: str | Path, session: Session) -> None:
@@ -73,7 +77,10 @@ def write_run_record(run_dir: str | Path, session: Session) -> None:
     record.update(train_config=session.train_config, model=session.model,
                   model_config=session.model_config,
                   preset=session.preset,
-                  data={"dir": session.data_dir, "manifest_digest": session.manifest_digest})
+                  data={"dir": session.data_dir, "manifest_digest": session.manifest_digest,
+                        **({"sources": session.sources} if session.sources else {})})
+    if session.phase is not None:
+        record.setdefault("phases", []).append(session.phase)
     parallel = session.data_parallel
     if session.init_from is not None:
         record["init_from"] = session.init_from
@@ -84,6 +91,7 @@ def write_run_record(run_dir: str | Path, session: Session) -> None:
         "device": session.device,
         **({"data_parallel": parallel} if parallel is not None else {}),
         **({"init_from": session.init_from} if session.init_from is not None else {}),
+        **({"phase": session.phase["name"]} if session.phase is not None else {}),
         "versions": versions(),
         "host": host(),
     })

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from ..callbacks import Callback, LogLines, ProfilerWindow, ProgressBar, Report, TensorBoard
-from ..checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, find_checkpoint
+from ..checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, TRAINER_POLICY, find_checkpoint
 from ..config import ConfigError, TrainConfig
-from ..data import read_manifest
+from ..data import DataError, read_manifest
 from ..data.loader import MANIFEST_FORMAT
+from ..data.mixture import Source, check_sources
 from ..data.prepare import prepare_dataset
 from ..models import DEFAULT_MODEL, HubFolderError, ModelSpec, get_model_spec
 from ..observe import read_events
@@ -118,18 +119,73 @@ def read_toml(path: Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} not found") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    unknown = sorted(set(data) - {"preset", "train", "model"})
+    unknown = sorted(set(data) - {"preset", "train", "model", "data"})
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
-                          "expected preset, [train], [model]")
+                          "expected preset, [train], [model], [data.sources]")
     if not isinstance(data.get("preset", ""), str):
         raise ConfigError(f"config file {path}: preset must be a string, got "
                           f"{data['preset']!r}")
-    for table in ("train", "model"):
+    for table in ("train", "model", "data"):
         if not isinstance(data.get(table, {}), dict):
             raise ConfigError(f"config file {path}: {table} must be a table ([{table}]), got "
                               f"{data[table]!r}")
+    table = data.get("data", {})
+    if set(table) - {"sources"} or not isinstance(table.get("sources", {}), dict):
+        raise ConfigError(f"config file {path}: [data] holds one table, [data.sources], of "
+                          "NAME = {{ path = \"DIR\", weight = W }}")
     return data
+
+
+def toml_sources(toml: dict[str, Any]) -> tuple[Source, ...]:
+    """``[data.sources]``: ``web = { path = "data/web", weight = 0.7 }`` per source."""
+    sources = []
+    for name, entry in toml.get("data", {}).get("sources", {}).items():
+        if not (isinstance(entry, dict) and set(entry) == {"path", "weight"}
+                and isinstance(entry["path"], str)
+                and isinstance(entry["weight"], int | float)
+                and not isinstance(entry["weight"], bool)):
+            raise ConfigError(f"config file [data.sources] {name}: expected "
+                              "{ path = \"DIR\", weight = W }, got " + repr(entry))
+        sources.append(Source(str(name), Path(entry["path"]), float(entry["weight"])))
+    return tuple(sources)
+
+
+def data_of(values: list[str] | None, toml: dict[str, Any]) -> tuple[Path | None,
+                                                                      tuple[Source, ...]]:
+    """``--data``: one dataset folder, or a mixture's ``NAME=DIR:WEIGHT`` sources (else
+    the config file's ``[data.sources]``); ``(None, ())`` when neither names any."""
+    if values:
+        named = [value for value in values if "=" in value]
+        if not named and len(values) == 1:
+            return Path(values[0]), ()
+        if len(named) != len(values):
+            raise ConfigError("--data: give one dataset folder, or every source of a mixture "
+                              "as NAME=DIR:WEIGHT")
+        try:
+            sources = tuple(Source.parse(value) for value in values)
+            check_sources(sources)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+        return sources[0].path, sources
+    sources = toml_sources(toml)
+    if sources:
+        try:
+            check_sources(sources)
+        except DataError as exc:
+            raise ConfigError(f"config file [data.sources]: {exc}") from None
+        return sources[0].path, sources
+    return None, ()
+
+
+def recorded_sources(record: dict[str, Any]) -> tuple[Source, ...]:
+    """The mixture a run's record names (none for a run on one dataset)."""
+    entries = record["data"].get("sources") or []
+    try:
+        return tuple(Source(str(e["name"]), Path(e["dir"]), float(e["weight"]))
+                     for e in entries)
+    except (TypeError, KeyError, ValueError):
+        raise RunError(f"run.json's data.sources is damaged: {entries!r}") from None
 
 
 @dataclass(frozen=True)
@@ -154,6 +210,15 @@ class Plan:
     or resumed from its checkpoint)."""
     callbacks: tuple[Callback, ...] = ()
     """What observes the run besides metrics.jsonl (rank 0's; built, nothing written)."""
+    sources: tuple[Source, ...] = ()
+    """A weighted mixture's sources (none: the one dataset ``data_dir``, which is otherwise
+    the first source, whose tokenizer every source shares)."""
+    phase: str | None = None
+    """A new phase this session starts (``--phase``): the data and the decay may change."""
+    phase_changes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the phase changes, ``{what: [before, after]}`` (for run.json and the event)."""
+    phase_new: bool = False
+    """The phase starts in this session (False: a repeated command continues it)."""
 
 
 def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
@@ -192,8 +257,12 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
                            "choose another --run-dir")
         raise RunError(f"{run_dir} already holds a run; pass --resume to continue it or "
                        "choose another --run-dir")
+    if command.phase is not None and not resume:
+        raise ConfigError(f"--phase {command.phase} needs --resume: a phase continues a run "
+                          "from its checkpoint")
     spec = _model_spec(command, record)
     model_fields = {**toml.get("model", {}), **command.model_fields}
+    given_dir, sources = data_of(command.data, toml)
     said: tuple[str, ...] = ()
     init_from = command.init_from
     if init_from is not None and resume:
@@ -206,24 +275,69 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
                               "model; drop --preset (the folder's config.json is the model)")
         config = train_config_from({}, toml, command.train_fields)
         model_config = _pretrained_model_config(spec, init_from, model_fields)
-        data_dir = resolve_data(command.data)
+        data_dir = resolve_data(given_dir)
         said = _tokenizer_notes(init_from, data_dir)
     elif record is not None:
         config = train_config_from(record["train_config"], toml, command.train_fields)
         model_config = model_config_from(spec, preset, model_fields, record["model_config"])
-        data_dir = command.data or Path(record["data"]["dir"])
+        if given_dir is None:
+            data_dir, sources = Path(record["data"]["dir"]), recorded_sources(record)
+        else:
+            data_dir = given_dir
     else:
         config = train_config_from({}, toml, command.train_fields)
         model_config = model_config_from(spec, preset, model_fields, None)
-        data_dir = resolve_data(command.data)
+        data_dir = resolve_data(given_dir)
         if "vocab_size" in spec.field_names and "vocab_size" not in model_fields:
             model_config, said = _vocab_for_data(model_config, data_dir)
     horizon_unset = record is None and "decay_steps" not in {**toml.get("train", {}),
                                                             **command.train_fields}
     recorded_data = record["data"]["dir"] if record is not None else None
+    phase, changes, new = None, {}, False
+    if command.phase is not None and record is not None:
+        phase = command.phase
+        changes = _phase_changes(record, config, data_dir, sources)
+        started = None if changes else _started_at(record, phase)
+        new = started is None
+        listed = ", ".join(name.removeprefix("train_config.") for name in changes) or "nothing"
+        said = (*said, f"phase {phase} starts at the checkpoint's step: it changes {listed}"
+                if new else f"phase {phase} already started at step {started}; it continues")
     return Plan(command, spec, config, model_config, data_dir, found if resume else None,
                 horizon_unset, preset=preset, recorded_data=recorded_data,
-                notes=(*notes, *said), init_from=init_from, callbacks=_callbacks(command))
+                notes=(*notes, *said), init_from=init_from, callbacks=_callbacks(command),
+                sources=sources, phase=phase, phase_changes=changes, phase_new=new)
+
+
+def describe_data(data_dir: Path, sources: tuple[Source, ...]) -> Any:
+    """The data as run.json and a phase's changes name it: a folder, or the mixture."""
+    if not sources:
+        return str(data_dir.resolve())
+    return [{"name": s.name, "dir": str(s.path.resolve()), "weight": s.weight}
+            for s in sources]
+
+
+def _phase_changes(record: dict[str, Any], config: TrainConfig, data_dir: Path,
+                   sources: tuple[Source, ...]) -> dict[str, Any]:
+    """What a phase changes against the run's record: config fields and the data (not the
+    fields any resume may change, such as max_steps)."""
+    before = train_config_from(record["train_config"], {}, {})
+    changes: dict[str, Any] = {
+        f"train_config.{name}": [getattr(before, name), getattr(config, name)]
+        for name in (f.name for f in dataclasses.fields(TrainConfig))
+        if getattr(before, name) != getattr(config, name)
+        and f"train_config.{name}" not in TRAINER_POLICY.may_differ}
+    recorded = describe_data(Path(record["data"]["dir"]), recorded_sources(record))
+    now = describe_data(data_dir, sources)
+    if recorded != now:
+        changes["data"] = [recorded, now]
+    return changes
+
+
+def _started_at(record: dict[str, Any], phase: str) -> int | None:
+    """The step at which the run's latest phase started, when it is ``phase``."""
+    phases = record.get("phases") or []
+    last = phases[-1] if isinstance(phases, list) and phases else None
+    return last.get("step") if isinstance(last, dict) and last.get("name") == phase else None
 
 
 def recorded_model(record: dict[str, Any]) -> str:

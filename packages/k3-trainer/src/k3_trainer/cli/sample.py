@@ -6,7 +6,7 @@ import sys
 
 from ..checkpoint import CHECKPOINT, find_checkpoint
 from ..config import ConfigError
-from ..data import Codec, load_codec
+from ..data import Codec
 from ..sample import Sampling, TextStream, context_room, sample_text
 from .build import parse_device, restore
 from .hub import folder_codec, load_folder
@@ -37,7 +37,7 @@ def run(command: SampleCommand, notes: tuple[str, ...] = ()) -> int:
             raise RunError(f"{command.run_dir / CHECKPOINT} not found: {command.run_dir} has "
                            "no checkpoint to sample from; train it first")
         run_ = restore(command.run_dir, None, device)
-        model, codec = run_.model, load_codec(run_.data_dir, run_.loaders[0].manifest)
+        model, codec = run_.model, run_.codec()
         max_seq_len = run_.max_seq_len
     if callable(getattr(model, "generate", None)):
         _note_room(codec, command.prompt, sampling.max_new_tokens, max_seq_len)

@@ -14,6 +14,7 @@ import k3_checkpoint
 
 from ..callbacks import MetricsLog, Report
 from ..checkpoint import checkpoint_path
+from ..checkpoint.policy import PHASE_MAY_CHANGE
 from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
@@ -51,11 +52,12 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
     if plan.resume_from is not None:
         try:
             resumed = trainer.resume(plan.resume_from,
-                                     allow_runtime_change=command.allow_runtime_change)
+                                     allow_runtime_change=command.allow_runtime_change,
+                                     new_phase=plan.phase is not None)
         except k3_checkpoint.CheckpointError as error:
             raise _with_data_hint(_with_runtime_hint(error, command), plan) from error
         runtime_changes = resumed.runtime_changes
-        if trainer.state.step >= config.max_steps:
+        if trainer.state.step >= config.max_steps and not plan.phase_new:
             # Success for a supervisor that restarts until the run is done.
             print(f"k3-train: run already complete at step {trainer.state.step}; nothing to "
                   "do (raise --max-steps to extend it)")
@@ -66,6 +68,8 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
         with StopOnSignal(trainer):
             trainer.fit()  # the same training, writing nothing but its share of checkpoints
         return 0
+    phase = ({"name": plan.phase, "step": trainer.state.step, "changes": plan.phase_changes}
+             if plan.phase_new else None)
     try:  # the session's first writes: a run directory it cannot write is the user's to fix
         if plan.resume_from is None:
             (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
@@ -75,6 +79,8 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
             preset=plan.preset,
             data_dir=str(plan.data_dir.resolve()),
             manifest_digest=manifest_digest(read_manifest(plan.data_dir)),
+            sources=_sources(plan),
+            phase=phase,
             device=str(device),
             resumed_from_step=trainer.state.step if plan.resume_from is not None else None,
             data_parallel=parallel.describe() if parallel is not None else None,
@@ -92,6 +98,8 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
         trainer.callbacks.extend((metrics, *plan.callbacks))
         if runtime_changes:
             _report_runtime_changes(metrics, trainer.state, runtime_changes)
+        if phase is not None:
+            metrics.write("phase_start", **phase)
         with StopOnSignal(trainer):
             trainer.fit()
         _summary(metrics, run_dir)
@@ -99,6 +107,14 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
     if report is not None and report.written is not None:
         print(f"k3-train: report in {report.written}")
     return 0
+
+
+def _sources(plan: Plan) -> list[dict[str, Any]] | None:
+    """run.json's record of a mixture: each source's name, folder, weight and data digest."""
+    if not plan.sources:
+        return None
+    return [{"name": s.name, "dir": str(s.path.resolve()), "weight": s.weight,
+             "manifest_digest": manifest_digest(read_manifest(s.path))} for s in plan.sources]
 
 
 def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
@@ -142,13 +158,18 @@ def _relaunch_advice(run_dir: Path, *, layout: bool) -> str:
 
 def _with_data_hint(error: k3_checkpoint.CheckpointError,
                     plan: Plan) -> k3_checkpoint.CheckpointError:
-    """``error``, naming the dataset folders when the checkpoint belongs to other data."""
-    if "belongs to different data" not in error.reason or plan.recorded_data is None:
-        return error
-    return k3_checkpoint.CheckpointError(
-        f"{error.reason}; the run was trained on {plan.recorded_data}, this session "
-        f"reads {plan.data_dir} (pass --data with the run's dataset, unchanged)",
-        path=error.path)
+    """``error``, naming the dataset folders when the checkpoint belongs to other data, and
+    ``--phase`` when a new phase could make the change it refused."""
+    phase = "" if plan.phase is not None else (
+        "; to change the data or the decay of a run, start a new phase of it (--phase NAME)")
+    if "belongs to different data" in error.reason and plan.recorded_data is not None:
+        return k3_checkpoint.CheckpointError(
+            f"{error.reason}; the run was trained on {plan.recorded_data}, this session "
+            f"reads {plan.data_dir} (pass --data with the run's dataset, unchanged){phase}",
+            path=error.path)
+    if any(name in error.reason for name in PHASE_MAY_CHANGE):
+        return k3_checkpoint.CheckpointError(f"{error.reason}{phase}", path=error.path)
+    return error
 
 
 def _report_runtime_changes(log: MetricsLog, state: TrainState,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         check_vocab_fits,
         read_manifest,
     )
+    from .mixture import MixtureLoader, Source
     from .options import PrepareOptions, default_workers
     from .prepare import builtin_corpus, describe_prepared, prepare_dataset
     from .protocol import BatchLoader
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "DataError": ".loader", "DataExhausted": ".loader", "TokenDataLoader": ".loader",
     "check_vocab_fits": ".loader", "read_manifest": ".loader",
+    "MixtureLoader": ".mixture", "Source": ".mixture",
     "PrepareOptions": ".options", "default_workers": ".options",
     "BatchLoader": ".protocol",
     "builtin_corpus": ".prepare", "describe_prepared": ".prepare",
@@ -40,7 +42,9 @@ __all__ = [
     "DataError",
     "DataExhausted",
     "HFCodec",
+    "MixtureLoader",
     "PrepareOptions",
+    "Source",
     "TokenDataLoader",
     "builtin_corpus",
     "check_vocab_fits",

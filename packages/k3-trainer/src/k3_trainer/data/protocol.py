@@ -21,10 +21,11 @@ class BatchLoader(Protocol):
     ``vocab_size`` is the data's vocabulary; ``token_bytes`` (optional attribute) the UTF-8
     bytes per token id, for bits per byte."""
 
-    offset: int
     num_tokens: int
     vocab_size: int
 
+    @property
+    def offset(self) -> int: ...
     @property
     def tokens_per_batch(self) -> int: ...
     def next_batch(self) -> Batch: ...
