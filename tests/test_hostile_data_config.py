@@ -19,7 +19,14 @@ import torch
 from harness import BASE_TRAIN, toml_text, tree_bytes
 
 from k3_checkpoint import read_payload
-from k3_trainer import ConfigError, DataError, TokenDataLoader, TrainConfig, prepare_dataset
+from k3_trainer import (
+    ConfigError,
+    DataError,
+    PrepareOptions,
+    TokenDataLoader,
+    TrainConfig,
+    prepare_dataset,
+)
 from k3_trainer.cli import main
 from k3_trainer.config import choices
 from k3_trainer.observe.metrics import read_events
@@ -191,6 +198,8 @@ INVALID_VALUES = [
     ("eval_batches", 0), ("precision", "fp8"), ("qk_clip_tau", 0.0), ("qk_clip_tau", NAN),
     ("qk_clip_tau", -30.0), ("qk_clip_gqa", "all"), ("seed", -1),
     ("activation_checkpointing", "layer"), ("activation_checkpointing", "full"),
+    ("decay_fraction", 0.0), ("decay_fraction", 1.5), ("decay_shape", "exp"),
+    ("eval_tokens", 0),
 ]
 WRONG_TYPES = [
     ("batch_size", 4.0), ("batch_size", True), ("batch_size", "4"), ("max_steps", 1.5),
@@ -260,14 +269,21 @@ def test_wrong_types_in_the_config_file_are_refused(field, value, tmp_path, data
 
 CONFIG_FILES = {
     "not-toml": ("preset = \n", "is not valid TOML"),
-    "unknown-top-level-key": ('preset = "tiny"\noptimizer = "adam"\n', "unknown key(s)"),
+    "unknown-top-level-key": ('preset = "tiny"\noptimizer = "adam"\n', "unknown key 'optimizer'"),
+    "top-level-typo": ('presets = "tiny"\n', "unknown key 'presets' (did you mean 'preset'?)"),
     "train-not-a-table": ("train = 5\n", "train must be a table"),
     "model-not-a-table": ('model = "big"\n', "model must be a table"),
     "preset-not-a-string": ("preset = 3\n", "preset must be a string"),
     "unknown-preset": ('preset = "huge"\n', "unknown model preset 'huge'"),
     "unknown-train-field": ("[train]\nlearning_rate = 0.1\n",
-                            "unknown TrainConfig field(s): learning_rate"),
-    "unknown-model-field": ("[model]\nwidth = 64\n", "width"),
+                            "bad.toml: [train] has no field 'learning_rate'"),
+    "train-field-typo": ("[train]\nmax_step = 3\n",
+                         "[train] has no field 'max_step' (did you mean 'max_steps'?)"),
+    "unknown-model-field": ("[model]\nwidth = 64\n", "[model] has no field 'width'"),
+    "model-field-typo": ("[model]\nn_layer = 2\n",
+                         "[model] has no field 'n_layer' (did you mean 'n_layers'?)"),
+    "unknown-preset-typo": ('preset = "tinny"\n', "unknown model preset 'tinny'; did you mean "
+                            "'tiny'?"),
     "invalid-model-value": ("[model]\nn_layers = 0\n", "n_layers"),
     "seq-len-beyond-the-model": ("[train]\nseq_len = 512\n", "max_seq_len"),
 }
@@ -442,10 +458,25 @@ def test_a_resume_on_other_data_names_both_folders(tmp_path, data_dir, finished_
     shutil.copytree(finished_run, run)
     code, err = _cli(["train", "--run-dir", run, "--resume", "--data", other, "--max-steps", 4],
                      capsys)
-    _assert_refused(code, err, "belongs to different data")
+    _assert_refused(code, err, f"--data {other} belongs to different data than the run")
     recorded = json.loads((run / "run.json").read_text())["data"]["dir"]
     assert f"the run was trained on {recorded}, this session reads {other}" in err[0]
-    assert f"this loader reads {other}" in err[0]
+    assert "start a new phase of it (--phase NAME)" in err[0]
+
+
+def test_other_data_of_a_larger_vocabulary_is_named_as_other_data(tmp_path, finished_run,
+                                                                  capsys):
+    """Not "choose a bigger preset": the data is what is wrong."""
+    text = tmp_path / "other.txt"
+    text.write_text("other data " * 3000)
+    other = tmp_path / "bpe"
+    prepare_dataset([text], other, PrepareOptions(train_tokenizer=400))
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--data", other, "--max-steps", 4],
+                     capsys)
+    _assert_refused(code, err, f"--data {other} belongs to different data than the run")
+    assert "preset" not in err[0]
 
 
 def test_shards_are_prepared_read_only(data_dir):

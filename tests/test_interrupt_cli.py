@@ -79,12 +79,15 @@ def test_an_interrupt_before_training_names_no_checkpoint(tmp_path, data_dir, sm
                                                           capsys, monkeypatch):
     """Ctrl-C while the session starts (here: while the model is built) says that nothing
     was written, never "continue from the last checkpoint"."""
-    from k3_trainer import runner
+    import dataclasses
+
+    from k3_trainer.models import get_model_spec, registry
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "K3Model", interrupted)
+    monkeypatch.setitem(registry._registered, "k3",
+                        dataclasses.replace(get_model_spec("k3"), build=interrupted))
     code = main(["train", "--run-dir", str(tmp_path / "run"), *_flags(data_dir, small_toml)])
     assert code == 130
     assert capsys.readouterr().err.strip().endswith("interrupted; no checkpoint was written")

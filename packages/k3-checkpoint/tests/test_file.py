@@ -183,6 +183,20 @@ def test_truncation_is_detected_at_every_cut(tmp_path, checkpoint_bytes):
             read_payload(path)
 
 
+def test_a_cut_file_is_named_for_what_it_is(tmp_path, checkpoint_bytes):
+    """Only a ``.tmp`` can be a save cut short; a published file cut short is a copy."""
+    cut = checkpoint_bytes[: len(checkpoint_bytes) // 2]
+    published, pending = tmp_path / "checkpoint.pt", tmp_path / "checkpoint.pt.tmp"
+    published.write_bytes(cut)
+    pending.write_bytes(cut)
+    with pytest.raises(CheckpointError) as raised:
+        read_payload(published)
+    assert "a truncated copy" in str(raised.value) and ".tmp" not in str(raised.value)
+    with pytest.raises(CheckpointError, match=r"a save cut short \(the previous checkpoint, "
+                       r"if any, is checkpoint\.pt\)"):
+        read_payload(pending)
+
+
 def test_appended_bytes_are_detected(tmp_path, checkpoint_bytes):
     path = tmp_path / "long.k3"
     path.write_bytes(checkpoint_bytes + b"\0")

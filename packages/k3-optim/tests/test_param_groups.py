@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 
 import pytest
 import torch
@@ -169,3 +170,34 @@ def test_check_parameter_groups_refuses_param_names_that_name_other_parameters()
     shorter[index] = {**shorter[index], "param_names": names[1:]}
     with pytest.raises(ValueError, match="param_names"):
         check_parameter_groups(model, shorter)
+
+
+class _PlainMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.hidden = nn.Linear(32, 32)
+        self.mix = nn.Parameter(torch.zeros(32, 32))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.hidden(self.inp(x)) @ self.mix)
+
+
+def test_doubtful_guesses_are_one_visible_warning_and_declared_routes_are_silent():
+    """An MLP's input and output layers and a bare matrix go to Muon by shape alone: the
+    guesses most likely wrong, so they are named (a hidden layer is not)."""
+    with pytest.warns(UserWarning) as caught:
+        build_parameter_groups(_PlainMLP())
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert ("mix (no rule recognised it), inp.weight (the model's first layer), out.weight "
+            "(the model's last layer)") in text
+    assert "hidden.weight" not in text
+    assert "adamw_patterns=/muon_patterns= (or predicate=)" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_parameter_groups(_PlainMLP(), adamw_patterns=["inp.*", "out.*"],
+                               muon_patterns=["mix"])
+        build_parameter_groups(_PlainMLP(), predicate=lambda name, p: p.ndim >= 2
+                               and name.startswith(("hidden", "mix")))

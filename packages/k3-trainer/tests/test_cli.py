@@ -12,6 +12,7 @@ import torch
 from trainer_helpers import small_toml
 
 from k3_checkpoint import read_payload
+from k3_trainer import read_manifest
 from k3_trainer.cli import main
 from k3_trainer.observe.metrics import read_events
 
@@ -138,6 +139,32 @@ def test_eval_reports_what_it_measured_and_clamps_to_the_split(tmp_path, data_di
                                    f"evaluating all {available}")
     with pytest.raises(SystemExit):
         main(["eval", "--run-dir", str(run), "--batches", "some"])
+
+
+def test_the_default_validation_is_the_whole_split_up_to_a_token_budget(
+        tmp_path, data_dir, config_file, capsys):
+    """What a run, its summary and plain ``eval`` show is measured on the same tokens: the
+    whole validation split (or eval_tokens of it), with no note about an unasked --batches."""
+    run, budget = tmp_path / "run", tmp_path / "budget"
+    toml = tmp_path / "whole.toml"
+    toml.write_text(small_toml(train=dict(batch_size=4, seq_len=16, warmup_steps=1,
+                                          decay_steps=2)))
+    assert main(["train", "--run-dir", str(run), "--data", str(data_dir), "--config",
+                 str(toml), "--max-steps", "2"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    logged = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "eval"][-1]
+    val_tokens = read_manifest(data_dir)["split_stats"]["val"]["tokens"]
+    assert logged["val_tokens"] == (val_tokens - 1) // 64 * 64  # every full batch
+    assert f"val_bpb {logged['val_bpb']:.3f} ({logged['val_tokens']:,} validation tokens)" \
+        in summary
+    assert main(["eval", "--run-dir", str(run)]) == 0
+    shown = capsys.readouterr()
+    assert shown.out.startswith(f"step 2: val_loss {logged['val_loss']:.4f}") and not shown.err
+    assert main(["train", "--run-dir", str(budget), "--data", str(data_dir), "--config",
+                 str(toml), "--max-steps", "1", "--eval-tokens", "200"]) == 0
+    capsys.readouterr()
+    logged = [e for e in read_events(budget / "metrics.jsonl") if e["event"] == "eval"][-1]
+    assert logged["val_tokens"] == 3 * 64  # the budget's whole batches
 
 
 @pytest.mark.parametrize("argv", [
@@ -281,3 +308,45 @@ def test_every_option_of_every_command_has_a_help_line(command, capsys):
     for i in options:
         described = "  " in lines[i].strip() or lines[i + 1].startswith(" " * 8)
         assert described, lines[i]
+
+
+
+def test_a_log_redirected_from_a_terminal_gets_the_plain_lines(tmp_path, data_dir):
+    """``k3-train train ... > train.log`` typed at a terminal: stderr stays on the terminal
+    (the bar), and the file gets every log and evaluation line."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    toml = tmp_path / "c.toml"
+    toml.write_text(small_toml(train=dict(batch_size=2, seq_len=16, eval_batches=1,
+                                          warmup_steps=1, decay_steps=2, log_interval=1,
+                                          eval_interval=2)))
+    main_fd, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", str(tmp_path / "r"),
+             "--data", str(data_dir), "--config", str(toml), "--max-steps", "2"],
+            stdout=out, stderr=terminal, timeout=300)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # the terminal's other end is closed: all is read
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main_fd)
+    assert done.returncode == 0, shown.decode(errors="replace")
+    lines = log.read_text().splitlines()
+    assert [line.split(" | ")[0] for line in lines if " | loss " in line] == ["step 1/2",
+                                                                             "step 2/2"]
+    assert any(line.startswith("step 2/2 | val_loss ") for line in lines)
+    assert lines[-1].startswith("k3-train: step 2, loss ")
+    assert b"val_bpb=" in shown  # the bar on the terminal shows the latest validation

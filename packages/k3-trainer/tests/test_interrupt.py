@@ -115,7 +115,7 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path):
             def request_stop(self, signum):
                 print("stop requested", flush=True)
 
-        with StopOnSignal(Trainer()):
+        with StopOnSignal(Trainer(), last_words="the save is abandoned; the last one stays"):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -126,3 +126,4 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path):
                           timeout=60)
     assert done.returncode == -signal.SIGTERM
     assert done.stdout.splitlines() == ["stop requested"]
+    assert done.stderr.splitlines() == ["the save is abandoned; the last one stays"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,52 @@ def test_the_qk_plot_has_a_legend_and_the_tau_line(tmp_path, monkeypatch):
     drawn.clear()
     write_report(run)
     assert drawn == []  # QK-Clip off: no threshold to draw
+
+
+def test_a_tau_far_above_the_logits_is_named_not_drawn(tmp_path, monkeypatch):
+    """A τ line at 100 over logits near 20 would flatten them: the values keep their
+    scale, and the title says where τ is."""
+    import matplotlib.figure
+
+    from k3_trainer.observe.report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [{"event": "train", "step": s, "tokens_seen": 64 * s, "loss": 3.0, "lr": 1e-3,
+               "tokens_per_s": 900.0 + s, "qk_max_logit/layers.3.attn": 20.0 + s}
+              for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "run.json").write_text(json.dumps({"train_config": {"qk_clip_tau": 100.0,
+                                                               "qk_clip_enabled": True}}))
+    titles, lines, limits = [], [], {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        ax = fig.axes[0]
+        titles.append(ax.get_title())
+        lines.append([line.get_ydata()[0] for line in ax.get_lines()
+                      if line.get_linestyle() == "--"])
+        limits[Path(path).stem] = ax.get_ylim()
+        return real_savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    write_report(run)
+    qk = next(i for i, title in enumerate(titles) if title.startswith("QK-Clip"))
+    assert "QK-Clip τ = 100 (heads above it are rescaled): above this range" in titles[qk]
+    assert lines[qk] == []
+    assert limits["throughput"][0] == 0  # throughput from zero
+
+
+def test_every_training_session_keeps_the_report_current(data_dir, tmp_path, capsys):
+    """A run with a report rewrites it at the end of each session, resumes included, and
+    the page shows the run's configuration and a caption per plot."""
+    run = tmp_path / "run"
+    flags = ["--data", str(data_dir), "--batch-size", "2", "--seq-len", "16",
+             "--eval-batches", "1", "--log-interval", "1", "--decay-steps", "3"]
+    assert main(["train", "--run-dir", str(run), *flags, "--max-steps", "2", "--report"]) == 0
+    assert "<tr><th>steps</th><td>2</td></tr>" in (run / "report" / "index.html").read_text()
+    assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "3"]) == 0
+    index = (run / "report" / "index.html").read_text()
+    assert "<tr><th>steps</th><td>3</td></tr>" in index
+    assert "<h2>Configuration</h2>" in index and "<th>decay_steps</th><td>3</td>" in index
+    assert index.count("<figcaption>") == len(list((run / "report").glob("*.png"))) == 7

@@ -348,3 +348,18 @@ def test_the_tokenizer_sample_limits_what_the_tokenizer_learns(jsonl_corpus, tmp
     assert sampled["records"] == full["records"]  # the sample never changes what is prepared
     with pytest.raises(DataError, match="only with --train-tokenizer"):
         prepare_dataset([jsonl_corpus], tmp_path / "x", PrepareOptions(tokenizer_sample_mb=1.0))
+
+
+def test_a_dataset_folder_follows_the_umask(tmp_path):
+    """Others may read a prepared dataset when the umask lets them (it was made 0700)."""
+    import os
+    import stat
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n" * 200)
+    old = os.umask(0o022)
+    try:
+        prepare_dataset([text], tmp_path / "d")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755

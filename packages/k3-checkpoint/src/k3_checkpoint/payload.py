@@ -400,8 +400,11 @@ def _identify_foreign(path: Path, file: BinaryIO, size: int, tail: bytes) -> str
         return ("has no k3-checkpoint trailer, and torch.load(weights_only=True) refuses "
                 f"it: {_reason(error)}")
     except Exception:  # torch raises RuntimeError, EOFError, ... for a broken zip
-        return ("has no k3-checkpoint trailer and is not a complete torch file: a save cut "
-                "short (the previous checkpoint is the file without .tmp) or a truncated copy")
+        if path.name.endswith(".tmp"):
+            return ("has no k3-checkpoint trailer and is not a complete torch file: a save "
+                    f"cut short (the previous checkpoint, if any, is {path.name[:-4]})")
+        return ("has no k3-checkpoint trailer and is not a complete torch file: a truncated "
+                "copy (a save is published only once complete, so it is no save cut short)")
     version = bare.get("format_version") if isinstance(bare, Mapping) else None
     if version is None:
         return "is a torch file but not a k3 checkpoint (it has no format_version)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -50,7 +51,12 @@ def build_parameter_groups(
     the table's shape (``d_ff == vocab``…) stays with Muon. Everything else goes to
     AdamW; 1-D and scalar parameters get no weight decay. Being a guess, the result is
     logged (logger ``k3_optim.param_groups``, INFO): one line per group with its
-    parameter names.
+    parameter names. The guesses most likely to be wrong are also a ``UserWarning``
+    (visible by default), one for the call: matrices sent to Muon that are the model's
+    first layer (a ``Linear`` that reads the input, in a model without an embedding), its
+    last ``Linear`` (an output layer not recognised as a head), or a parameter of no
+    ``Linear`` or convolution (no rule recognised it). A route the caller declared
+    (``predicate``, ``muon_patterns``, ``adamw_patterns``) is never in it.
 
     Overrides, strongest first: ``predicate(name, param)`` returning True/False (None
     defers), then fnmatch ``muon_patterns`` / ``adamw_patterns`` on the full parameter
@@ -97,13 +103,24 @@ def build_parameter_groups(
         entry["params"].append(p)
         entry["param_names"].append(name)
 
+    first = linears[0] if linears and not embedding_params else None
+    last = linears[-1] if linears else None
+    layered = {id(p) for _, m in modules if isinstance(m, nn.Linear)
+               for p in m.parameters(recurse=False)} | conv_params
+    doubtful: list[str] = []
     for name, p in model.named_parameters():  # tied parameters appear once
         if not p.requires_grad:
             continue
-        use_muon = _choose_muon(
-            name, p, predicate, muon_patterns, adamw_patterns,
-            default=p.ndim >= 2 and id(p) not in embedding_params and id(p) not in head_params,
-        )
+        declared = _declared_route(name, p, predicate, muon_patterns, adamw_patterns)
+        use_muon = declared if declared is not None else (
+            p.ndim >= 2 and id(p) not in embedding_params and id(p) not in head_params)
+        if use_muon and declared is None:
+            if first is not None and p is first.weight:
+                doubtful.append(f"{name} (the model's first layer)")
+            elif last is not None and p is last.weight:
+                doubtful.append(f"{name} (the model's last layer)")
+            elif id(p) not in layered:
+                doubtful.append(f"{name} (no rule recognised it)")
         if use_muon:
             if p.ndim < 2:
                 raise ValueError(
@@ -139,6 +156,13 @@ def build_parameter_groups(
             "build_parameter_groups (guessed from names and shapes) %s: %s",
             group["name"], ", ".join(group["param_names"]),
         )
+    if doubtful:
+        warnings.warn(
+            "build_parameter_groups guessed from names and shapes and sends to Muon: "
+            f"{', '.join(doubtful)}. If any of them should be AdamW's, declare the routes: "
+            "pass adamw_patterns=/muon_patterns= (or predicate=) to build_parameter_groups, "
+            "or give MuonAdamW your own parameter groups with use_muon set on each",
+            UserWarning, stacklevel=2)
     return result
 
 
@@ -179,15 +203,14 @@ def check_parameter_groups(model: nn.Module, groups: Iterable[Mapping[str, Any]]
         )
 
 
-def _choose_muon(
+def _declared_route(
     name: str,
     p: torch.Tensor,
     predicate: MuonPredicate | None,
     muon_patterns: tuple[str, ...],
     adamw_patterns: tuple[str, ...],
-    *,
-    default: bool,
-) -> bool:
+) -> bool | None:
+    """Muon (True) or AdamW (False) as the caller declared it, or None (guess)."""
     if predicate is not None:
         decided = predicate(name, p)  # type: ignore[arg-type]
         if decided is not None:
@@ -196,4 +219,4 @@ def _choose_muon(
         return True
     if any(fnmatch.fnmatchcase(name, pat) for pat in adamw_patterns):
         return False
-    return default
+    return None

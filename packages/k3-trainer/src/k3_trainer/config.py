@@ -92,8 +92,11 @@ class TrainConfig:
     """Steps between validation evaluations."""
     checkpoint_interval: int = 100
     """Steps between checkpoints (one is also written at the end and on Ctrl-C)."""
-    eval_batches: int = 8
-    """Validation batches per evaluation, from the start of the split."""
+    eval_batches: int | None = None
+    """Validation batches per evaluation, from the start of the split (unset: the whole
+    split, up to eval_tokens)."""
+    eval_tokens: int = 1_000_000
+    """Validation tokens per evaluation at most, when eval_batches is unset."""
     # precision and QK-Clip
     precision: Precision = "fp32"
     """Autocast precision (parameters stay fp32 masters; fp16 adds a gradient scaler)."""
@@ -128,9 +131,11 @@ class TrainConfig:
                 object.__setattr__(self, "warmup_steps", min(20, self.decay_steps // 10))
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
                      "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
-                     "eval_batches", "decay_steps", "expert_parallel"):
+                     "decay_steps", "expert_parallel", "eval_tokens"):
             _positive_int(self, name)
         _int(self, "warmup_steps", low=0)
+        if self.eval_batches is not None:
+            _positive_int(self, "eval_batches")
         _int(self, "seed", low=0)
         for name in ("peak_lr", "qk_clip_tau"):
             _number(self, name, low=0.0, low_open=True)
@@ -168,6 +173,13 @@ class TrainConfig:
     def tokens_per_update(self) -> int:
         return self.batch_size * self.seq_len * self.gradient_accumulation_steps
 
+    def validation_batches(self, tokens_per_batch: int) -> int:
+        """Batches an evaluation reads from the start of each validation split (it stops
+        earlier at a split's end): ``eval_batches``, or the ``eval_tokens`` budget's."""
+        if self.eval_batches is not None:
+            return self.eval_batches
+        return max(1, self.eval_tokens // tokens_per_batch)
+
     @property
     def decay_length(self) -> int:
         """wsd: the steps of the final decay, ``round(decay_fraction · decay_steps)``."""
@@ -200,7 +212,8 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-LATER_FIELDS: dict[str, Any] = {"decay_fraction": 0.2, "decay_shape": "1-sqrt"}
+LATER_FIELDS: dict[str, Any] = {"decay_fraction": 0.2, "decay_shape": "1-sqrt",
+                                "eval_tokens": 1_000_000}
 """Fields added after 0.1.0 with their defaults (which keep an earlier run's meaning)."""
 
 

@@ -10,6 +10,7 @@ stays intact (writes are atomic).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -43,8 +44,11 @@ class StopOnSignal:
     instead of killing it; the previous handlers come back on exit. Only the main thread
     can install handlers: elsewhere this context does nothing."""
 
-    def __init__(self, trainer: _Stoppable) -> None:
+    def __init__(self, trainer: _Stoppable, *, last_words: str | None = None) -> None:
+        """``last_words``: one line written to stderr when a second signal ends the
+        process (what it abandons, what stays)."""
         self.trainer = trainer
+        self.last_words = last_words
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -65,6 +69,8 @@ class StopOnSignal:
             self.trainer.request_stop(signum)
             return
         # A second signal: stop now, as if no handler had been installed.
+        if self.last_words:
+            os.write(2, (self.last_words + "\n").encode())  # unbuffered, in a handler
         for number in SIGNALS:
             signal.signal(number, signal.SIG_DFL)
         signal.raise_signal(signum)

@@ -353,7 +353,8 @@ class Trainer:
         """Evaluate the fixed validation prefix (``eval`` event)."""
         with self.profiler.region("eval"):
             result = evaluate_split(
-                self.model, self.loaders.val, self.device, self.config.eval_batches,
+                self.model, self.loaders.val, self.device,
+                self.config.validation_batches(self.loaders.val.tokens_per_batch),
                 self.config.precision,
                 all_reduce=self.parallel.sum_ if self.parallel is not None else None)
         by_source = {} if result.by_source is None else {"val_by_source": {

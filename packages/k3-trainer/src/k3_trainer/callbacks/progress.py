@@ -12,10 +12,13 @@ from .base import Callback, Run
 
 
 class ProgressBar(Callback):
-    """A tqdm bar on stderr: step of ``max_steps``, loss, tokens/s, ETA."""
+    """A tqdm bar on stderr: step of ``max_steps``, loss, tokens/s, the latest validation,
+    ETA."""
 
     def __init__(self) -> None:
         self.bar: Any = None
+        self.training: dict[str, str] = {}
+        self.validation: dict[str, str] = {}
 
     def on_session_start(self, trainer: Run, record: Record) -> None:
         from tqdm import tqdm
@@ -27,9 +30,19 @@ class ProgressBar(Callback):
         if self.bar is None:
             return
         self.bar.n = trainer.state.step
-        self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{stats['tokens_per_s']:.0f}",
-                             refresh=False)
-        self.bar.refresh()
+        self.training = {"loss": f"{stats['loss']:.3f}", "tok_s": f"{stats['tokens_per_s']:.0f}"}
+        self._show()
+
+    def on_eval_end(self, trainer: Run, record: Record) -> None:
+        bpb = record.get("val_bpb")
+        self.validation = {"val_bpb": f"{bpb:.4f}"} if isinstance(bpb, float) else {
+            "val_loss": f"{_num(record.get('val_loss'), '.4f')}"}
+        self._show()
+
+    def _show(self) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(**self.training, **self.validation, refresh=False)
+            self.bar.refresh()
 
     def on_session_end(self, trainer: Run, record: Record) -> None:
         if self.bar is not None:

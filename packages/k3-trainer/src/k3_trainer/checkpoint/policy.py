@@ -27,6 +27,7 @@ from ..distributed import Parallel
 TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
     may_differ=frozenset(f"train_config.{name}" for name in (
         "max_steps", "log_interval", "eval_interval", "checkpoint_interval", "eval_batches",
+        "eval_tokens",
         "activation_checkpointing", "expert_parallel")),
     step_limit=("train_config.max_steps", "counters.step"),
 )

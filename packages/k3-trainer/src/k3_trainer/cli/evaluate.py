@@ -11,7 +11,8 @@ from .options import EvalCommand
 
 def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
     """The loss over ``--batches`` full batches from the start of the validation split
-    (default: the run's ``eval_batches``; ``all``: the whole split), with the number of
+    (default: the run's ``eval_batches``, or its whole split up to ``eval_tokens``;
+    ``all``: the whole split), with the number of
     tokens it measured."""
     device = parse_device(command.device)
     if command.model is not None:
@@ -20,14 +21,15 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
         assert command.run_dir is not None  # argparse requires one of the two
         run_ = restore(command.run_dir, command.data, device)
     val = run_.loaders[1]
-    parts = getattr(val, "sources", None) or {"": val}  # a mixture: its smallest source
-    available = min((part.num_tokens - 1) // part.tokens_per_batch for part in parts.values())
+    parts = getattr(val, "sources", None) or {"": val}  # a mixture: each source to its end
+    available = max((part.num_tokens - 1) // part.tokens_per_batch for part in parts.values())
     batches = command.batches
-    wanted = available if batches == "all" else int(batches or run_.config.eval_batches)
-    if wanted > available:
+    wanted = available if batches == "all" else int(
+        batches or run_.config.validation_batches(val.tokens_per_batch))
+    if wanted > available and batches is not None:
         print(f"k3-train: note: --batches {wanted} is more than the validation split holds "
               f"({available} full batches); evaluating all {available}", file=sys.stderr)
-        wanted = available
+    wanted = min(wanted, available)
     result = evaluate_split(run_.model, val, device, wanted, run_.config.precision)
     bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
     where = f"step {run_.state.step}" if command.model is None else str(command.model)

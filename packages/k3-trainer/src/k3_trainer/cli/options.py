@@ -136,8 +136,8 @@ class EvalCommand:
     """dataset folder (default: the one the run trained on)"""
     batches: int | str | None = option(None, parse=batches, metavar="N|all")
     """full validation batches from the start of the split (default: the run's
-    eval_batches; all: the whole split; more than the split holds is clamped, with a
-    note)"""
+    eval_batches, or the whole split up to its eval_tokens; all: the whole split; more
+    than the split holds is clamped, with a note)"""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
 

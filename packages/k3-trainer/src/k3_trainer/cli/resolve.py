@@ -10,6 +10,7 @@ the checkpoint to resume, the notes to print and the callbacks that observe the 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ from ..callbacks import Callback, LogLines, ProfilerWindow, ProgressBar, Report,
 from ..checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, TRAINER_POLICY, find_checkpoint
 from ..config import ConfigError, TrainConfig
 from ..data import DataError, read_manifest
-from ..data.loader import MANIFEST_FORMAT
+from ..data.loader import MANIFEST_FORMAT, manifest_digest
 from ..data.mixture import Source, check_sources
 from ..data.prepare import prepare_dataset
 from ..models import DEFAULT_MODEL, HubFolderError, ModelSpec, get_model_spec
 from ..observe import read_events
+from ..observe.report import REPORT_DIR
 from ..observe.run import read_run_record
 from .options import TrainCommand
 
@@ -121,7 +123,8 @@ def read_toml(path: Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - {"preset", "train", "model", "data"})
     if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
+        known = ["preset", "train", "model", "data"]
+        raise ConfigError(f"config file {path}: unknown key {_suggest(unknown[0], known)}; "
                           "expected preset, [train], [model], [data.sources]")
     if not isinstance(data.get("preset", ""), str):
         raise ConfigError(f"config file {path}: preset must be a string, got "
@@ -135,6 +138,22 @@ def read_toml(path: Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: [data] holds one table, [data.sources], of "
                           "NAME = {{ path = \"DIR\", weight = W }}")
     return data
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    """``'name'`` and, when a known name is close, ``(did you mean 'that'?)``."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def check_toml_fields(toml: dict[str, Any], spec: ModelSpec, path: Path | None) -> None:
+    """Refuse a ``[train]`` or ``[model]`` key that names no field, with the closest one."""
+    for table, names in (("train", [f.name for f in dataclasses.fields(TrainConfig)]),
+                         ("model", list(spec.field_names))):
+        for key in toml.get(table, {}):
+            if key not in names:
+                raise ConfigError(f"config file {path}: [{table}] has no field "
+                                  f"{_suggest(key, names)}")
 
 
 def toml_sources(toml: dict[str, Any]) -> tuple[Source, ...]:
@@ -261,6 +280,7 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
         raise ConfigError(f"--phase {command.phase} needs --resume: a phase continues a run "
                           "from its checkpoint")
     spec = _model_spec(command, record)
+    check_toml_fields(toml, spec, command.config)
     model_fields = {**toml.get("model", {}), **command.model_fields}
     given_dir, sources = data_of(command.data, toml)
     said: tuple[str, ...] = ()
@@ -284,6 +304,8 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
             data_dir, sources = Path(record["data"]["dir"]), recorded_sources(record)
         else:
             data_dir = given_dir
+            if resume and command.phase is None:
+                _check_same_data(record, given_dir, sources)
     else:
         config = train_config_from({}, toml, command.train_fields)
         model_config = model_config_from(spec, preset, model_fields, None)
@@ -306,6 +328,27 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
                 horizon_unset, preset=preset, recorded_data=recorded_data,
                 notes=(*notes, *said), init_from=init_from, callbacks=_callbacks(command),
                 sources=sources, phase=phase, phase_changes=changes, phase_new=new)
+
+
+def _data_identity(data_dir: Path, sources: tuple[Source, ...]) -> list[str]:
+    return [manifest_digest(read_manifest(path))
+            for path in ([s.path for s in sources] or [data_dir])]
+
+
+def _check_same_data(record: dict[str, Any], data_dir: Path,
+                     sources: tuple[Source, ...]) -> None:
+    """A resume's ``--data`` must be the run's own (checked first: any later refusal, a
+    vocabulary that does not fit say, would blame something else)."""
+    data = record["data"]
+    recorded = [str(s.get("manifest_digest")) for s in data.get("sources") or []] or [
+        str(data.get("manifest_digest"))]
+    if _data_identity(data_dir, sources) != recorded:
+        given = ", ".join(f"{s.name}={s.path}" for s in sources) or str(data_dir)
+        raise ConfigError(
+            f"--data {given} belongs to different data than the run: the run was trained on "
+            f"{data['dir']}, this session reads {given}; pass --data with the run's dataset, "
+            "unchanged, or leave it out (run.json names it); to change the data of a run, "
+            "start a new phase of it (--phase NAME)")
 
 
 def describe_data(data_dir: Path, sources: tuple[Source, ...]) -> Any:
@@ -369,10 +412,19 @@ def _callbacks(command: TrainCommand) -> tuple[Callback, ...]:
                                             command.profile_start, command.profile_steps))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    # A bar on a terminal; in a log file (nohup, a job log, CI) plain lines instead.
-    callbacks.append(ProgressBar() if sys.stderr.isatty() else LogLines())
-    if command.report:
-        callbacks.append(Report(command.run_dir))
+    # A bar where a person watches (stderr on a terminal); plain lines on stdout whenever
+    # it is not one (`> train.log`, nohup, a job log, CI), or when stderr is redirected.
+    if sys.stderr.isatty():
+        callbacks.append(ProgressBar())
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        callbacks.append(LogLines())
+    # A run with a report keeps it current: every session that trains rewrites it.
+    if command.report or (command.run_dir / REPORT_DIR / "index.html").is_file():
+        try:
+            callbacks.append(Report(command.run_dir))
+        except ConfigError:
+            if command.report:
+                raise  # asked for: say what is missing; else the old report just stays
     return tuple(callbacks)
 
 

@@ -27,6 +27,9 @@ from .record import Session, write_run_record
 from .resolve import METRICS, Plan, RunError, read_record, resolve
 from .threads import THREADS_ENV
 
+ABANDONED = ("k3-train: interrupted again: stopping now, the save in progress is abandoned; "
+             "the previous checkpoint is intact (continue with --resume)")
+
 
 def run(command: TrainCommand, notes: tuple[str, ...] = ()) -> int:
     """The session: resolved on every rank, executed, the process group left cleanly."""
@@ -100,7 +103,7 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
             _report_runtime_changes(metrics, trainer.state, runtime_changes)
         if phase is not None:
             metrics.write("phase_start", **phase)
-        with StopOnSignal(trainer):
+        with StopOnSignal(trainer, last_words=ABANDONED):
             trainer.fit()
         _summary(metrics, run_dir)
     report = next((c for c in plan.callbacks if isinstance(c, Report)), None)
@@ -193,7 +196,10 @@ def _summary(log: MetricsLog, run_dir: Path) -> None:
     if train_events:
         parts.append(f"loss {train_events[0]['loss']:.3f} → {train_events[-1]['loss']:.3f}")
     if evals:
-        parts.append(f"val_loss {evals[-1]['val_loss']:.3f}")
+        bpb = evals[-1].get("val_bpb")
+        parts.append(f"val_loss {evals[-1]['val_loss']:.3f}"
+                     + (f", val_bpb {bpb:.3f}" if isinstance(bpb, float) else "")
+                     + f" ({evals[-1].get('val_tokens', 0):,} validation tokens)")
     rates = [e["tokens_per_s"] for e in train_events if e.get("tokens_per_s")]
     if rates:
         parts.append(f"{sum(rates) / len(rates):,.0f} tokens/s (active training)")

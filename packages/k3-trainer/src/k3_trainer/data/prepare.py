@@ -144,6 +144,7 @@ def prepare_dataset(inputs: Sequence[str | Path], out_dir: str | Path,
             os.chmod(file, 0o444)  # a prepared dataset is immutable
         if out_dir.exists():
             shutil.rmtree(out_dir)
+        staging.chmod(0o777 & ~_umask())  # mkdtemp made it 0700: follow the umask instead
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # the shuffle buckets with it
@@ -405,3 +406,9 @@ def _tokenize_into(corpus: _Corpus, codec: Codec, sink: _Splitter, workers: int,
             bar.update(size)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.3g}", refresh=False)
     sink.finish()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -15,6 +15,7 @@ Torch-free at import, like the argument parsing that reads it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,8 +128,10 @@ class ModelSpec:
             return self.config_class(**fields)
         if name not in self.presets:
             listed = ", ".join(self.presets) or "none"
-            raise ValueError(f"unknown preset {name!r} of model {self.name!r}; its presets: "
-                             f"{listed}")
+            close = difflib.get_close_matches(name, list(self.presets), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown model preset {name!r}; {hint}the {self.name} model's "
+                             f"presets: {listed}")
         return dataclasses.replace(self.presets[name], **fields)
 
     def config_dict(self, config: Any) -> dict[str, Any]:

@@ -12,6 +12,8 @@ import html
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..config import ConfigError
 from .metrics import read_events
 from .run import read_run_record
@@ -57,20 +59,36 @@ def write_report(run_dir: str | Path) -> Path:
     out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
 
-    def plot(name: str, title: str, xlabel: str, ylabel: str,
+    steps = [e["step"] for e in train]
+    tokens = [e["tokens_seen"] for e in train]
+
+    def plot(name: str, title: str, ylabel: str,
              lines: list[tuple[str, list[float], list[Any]]], log_y: bool = False,
-             threshold: tuple[str, float] | None = None) -> str:
+             threshold: tuple[str, float] | None = None, from_zero: bool = False,
+             tokens_axis: bool = False) -> str:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        values: list[float] = []
         for label, xs, ys in lines:
             points = [(x, y) for x, y in zip(xs, ys) if isinstance(y, int | float)]
             if points:
                 ax.plot(*zip(*points), label=label, marker="." if len(points) < 40 else None)
+                values += [y for _, y in points]
         if threshold is not None:
-            ax.axhline(threshold[1], color="tab:red", linestyle="--", linewidth=1,
-                       label=threshold[0])
+            label, tau = threshold
+            if values and tau > 2 * max(values):  # a line there would flatten the values
+                ax.set_title(f"{title}\n({label}: above this range)", fontsize=10)
+            else:
+                ax.axhline(tau, color="tab:red", linestyle="--", linewidth=1, label=label)
         if log_y:
             ax.set_yscale("log")
+        if from_zero:
+            ax.set_ylim(bottom=0)
+        if tokens_axis and len(steps) > 1:  # tokens, read off the steps' own counts
+            top = ax.secondary_xaxis("top", functions=(
+                lambda s: np.interp(s, steps, tokens),  # type: ignore[arg-type]
+                lambda t: np.interp(t, tokens, steps)))  # type: ignore[arg-type]
+            top.set_xlabel("tokens seen")
         ax.grid(alpha=0.3)
         drawn = len(ax.get_legend_handles_labels()[0])
         if drawn > 1 or (drawn and threshold is not None):
@@ -80,31 +98,41 @@ def write_report(run_dir: str | Path) -> Path:
         plt.close(fig)
         return f"{name}.png"
 
-    steps = [e["step"] for e in train]
-    tokens = [e["tokens_seen"] for e in train]
+    eval_steps = [e["step"] for e in evals]
     images = [
-        plot("loss", "Loss", "tokens seen", "mean token loss (nats)",
-             [("train", tokens, [e.get("loss") for e in train]),
-              ("validation", [e["tokens_seen"] for e in evals],
-               [e.get("val_loss") for e in evals])]),
-        plot("val_bpb", "Validation bits per byte (comparable across tokenizers)",
-             "tokens seen", "bits per UTF-8 byte",
-             [("validation", [e["tokens_seen"] for e in evals],
-               [e.get("val_bpb") for e in evals])]),
-        plot("lr", "Learning rate", "step", "LR", [("lr", steps, [e.get("lr") for e in train])]),
-        plot("grad_norm", "Gradient norm (pre-clip)", "step", "L2 norm",
-             [("window mean", steps, [e.get("grad_norm") for e in train]),
-              ("window max", steps, [e.get("grad_norm_max") for e in train])], log_y=True),
-        plot("qk_max_logit", "QK-Clip: max pre-softmax logit per attention layer", "step",
-             "max logit", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
-                           for k in _prefixed(train, "qk_max_logit/")]
-             or [("all layers", steps, [e.get("qk_max_logit") for e in train])],
-             threshold=_qk_clip_threshold(run_dir)),
-        plot("moe_load_cv", "MoE: expert-load coefficient of variation per layer", "step",
-             "load CV (0 = even)", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
-                                    for k in _prefixed(train, "moe_load_cv/")]),
-        plot("throughput", "Throughput (active training)", "step", "tokens/s",
-             [("tokens/s", steps, [e.get("tokens_per_s") for e in train])]),
+        (plot("loss", "Loss", "mean token loss (nats)",
+              [("train", steps, [e.get("loss") for e in train]),
+               ("validation", eval_steps, [e.get("val_loss") for e in evals])],
+              tokens_axis=True),
+         "Training loss (the mean of each log window) and validation loss, in nats per "
+         "token."),
+        (plot("val_bpb", "Validation bits per byte (comparable across tokenizers)",
+              "bits per UTF-8 byte",
+              [("validation", eval_steps, [e.get("val_bpb") for e in evals])],
+              tokens_axis=True),
+         "Validation loss in bits per UTF-8 byte of the evaluated text: the number to compare "
+         "between runs, whatever their tokenizer."),
+        (plot("lr", "Learning rate", "LR", [("lr", steps, [e.get("lr") for e in train])]),
+         "The learning rate of the last update of each log window."),
+        (plot("grad_norm", "Gradient norm (pre-clip)", "L2 norm",
+              [("window mean", steps, [e.get("grad_norm") for e in train]),
+               ("window max", steps, [e.get("grad_norm_max") for e in train])], log_y=True),
+         "The global gradient norm before clipping: each window's mean and maximum."),
+        (plot("qk_max_logit", "QK-Clip: max pre-softmax logit per attention layer",
+              "max logit", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
+                            for k in _prefixed(train, "qk_max_logit/")]
+              or [("all layers", steps, [e.get("qk_max_logit") for e in train])],
+              threshold=_qk_clip_threshold(run_dir)),
+         "The largest attention logit of each layer in the window; QK-Clip rescales a head "
+         "whose logit passes τ."),
+        (plot("moe_load_cv", "MoE: expert-load coefficient of variation per layer",
+              "load CV (0 = even)", [(k.split("/", 1)[1], steps, [e.get(k) for e in train])
+                                     for k in _prefixed(train, "moe_load_cv/")]),
+         "How unevenly the routed tokens spread over each MoE layer's experts (0: evenly)."),
+        (plot("throughput", "Throughput (active training)", "tokens/s",
+              [("tokens/s", steps, [e.get("tokens_per_s") for e in train])], from_zero=True),
+         "Training tokens per second of each log window, attempts only (no evaluation or "
+         "checkpoint time)."),
     ]
     last = train[-1]
     facts = [("steps", last["step"]), ("tokens seen", f"{last['tokens_seen']:,}"),
@@ -117,17 +145,48 @@ def write_report(run_dir: str | Path) -> Path:
         facts.append(("MFU (last window)", f"{last['mfu']:.1%}"))
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
                    for k, v in facts)
-    figures = "".join(f'<figure><img src="{name}" alt="{name[:-4]}"></figure>' for name in images)
+    figures = "".join(f'<figure><img src="{name}" alt="{name[:-4]}">'
+                      f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+                      for name, caption in images)
     index = out / "index.html"
     index.write_text(
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>k3-train report: {html.escape(run_dir.name)}</title>"
         "<style>body{font-family:sans-serif;max-width:1500px;margin:1em auto}"
-        "figure{display:inline-block;margin:.5em}img{width:680px}"
-        "th{text-align:left;padding-right:1em}</style></head><body>"
-        f"<h1>{html.escape(run_dir.name)}</h1><table>{rows}</table>{figures}</body></html>\n"
+        "figure{display:inline-block;margin:.5em;width:680px;vertical-align:top}"
+        "img{width:680px}figcaption{font-size:90%;color:#444}"
+        "th{text-align:left;padding-right:1em}td,th{vertical-align:top}"
+        "details{margin:1em 0}</style></head><body>"
+        f"<h1>{html.escape(run_dir.name)}</h1><table>{rows}</table>"
+        f"{_configuration(run_dir)}{figures}</body></html>\n"
     )
     return index
+
+
+def _configuration(run_dir: Path) -> str:
+    """The run's model, data and recipe from run.json, as HTML tables (empty without it)."""
+    try:
+        record = read_run_record(run_dir)
+    except (FileNotFoundError, ValueError):
+        return ""
+    data: dict[str, Any] = record["data"] if isinstance(record.get("data"), dict) else {}
+    sources = data.get("sources") or [{"name": "data", "dir": data.get("dir"), "weight": 1}]
+    summary = [("model", record.get("model", "k3")), ("preset", record.get("preset")),
+               *((f"data: {s.get('name')}", f"{s.get('dir')} (weight {s.get('weight')})")
+                 for s in sources if isinstance(s, dict)),
+               ("sessions", len(record.get("sessions") or []))]
+    parts = ["<h2>Configuration</h2>", _table(summary)]
+    for key, title in (("train_config", "Training recipe"), ("model_config", "Model")):
+        if isinstance(record.get(key), dict):
+            parts.append(f"<details open><summary>{title}</summary>"
+                         f"{_table(sorted(record[key].items()))}</details>")
+    return "".join(parts)
+
+
+def _table(items: Any) -> str:
+    return "<table>" + "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+        for k, v in items) + "</table>"
 
 
 def _qk_clip_threshold(run_dir: Path) -> tuple[str, float] | None:
