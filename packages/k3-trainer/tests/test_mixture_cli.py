@@ -116,3 +116,25 @@ def test_a_phase_needs_a_run_and_a_mixture_may_come_from_the_config_file(
     code, _, err = _run(capsys, ["train", "--run-dir", tmp_path / "bad", "--data",
                                  f"web={data_dir}:1", "--data", str(small_dir)])
     assert code == 2 and "every source of a mixture as NAME=DIR:WEIGHT" in err
+
+
+def test_a_phase_of_a_run_on_one_dataset_continues_its_cursor_or_changes_its_data(
+        data_dir, small_dir, tmp_path, capsys):  # noqa: F811
+    """One dataset becomes a mixture of one: the same data keeps its cursor (no data change
+    recorded), other data starts a phase on it."""
+    run = tmp_path / "run"
+    assert _run(capsys, ["train", "--run-dir", run, "--data", data_dir, *RECIPE,
+                         "--max-steps", "2"])[0] == 0
+    before = read_payload(run / "checkpoint.pt")["loaders"]["train"]["offset"]
+    code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume", "--phase", "decay",
+                                 "--decay-steps", "4", "--decay-fraction", "0.5",
+                                 "--max-steps", "3"])
+    assert code == 0 and "it changes decay_steps" in err and "data" not in err.split(
+        "it changes")[1].splitlines()[0], err
+    state = read_payload(run / "checkpoint.pt")["loaders"]["train"]
+    assert state["sources"]["data"]["offset"] == before + 2 * 16  # one more batch
+    code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume", "--phase", "code",
+                                 "--data", small_dir, "--max-steps", "4"])
+    assert code == 0 and "it changes data" in err, err
+    phases = json.loads((run / "run.json").read_text())["phases"]
+    assert [p["name"] for p in phases] == ["decay", "code"]

@@ -318,6 +318,9 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
     phase, changes, new = None, {}, False
     if command.phase is not None and record is not None:
         phase = command.phase
+        # A phase reads through a mixture loader, which takes over any saved cursor of the
+        # same data: one dataset becomes a mixture of one.
+        sources = sources or (Source("data", data_dir, 1.0),)
         changes = _phase_changes(record, config, data_dir, sources)
         started = None if changes else _started_at(record, phase)
         new = started is None
@@ -369,11 +372,18 @@ def _phase_changes(record: dict[str, Any], config: TrainConfig, data_dir: Path,
         for name in (f.name for f in dataclasses.fields(TrainConfig))
         if getattr(before, name) != getattr(config, name)
         and f"train_config.{name}" not in TRAINER_POLICY.may_differ}
-    recorded = describe_data(Path(record["data"]["dir"]), recorded_sources(record))
-    now = describe_data(data_dir, sources)
-    if recorded != now:
-        changes["data"] = [recorded, now]
+    before_dir, before_sources = Path(record["data"]["dir"]), recorded_sources(record)
+    if _weighted_identity(before_dir, before_sources) != _weighted_identity(data_dir, sources):
+        changes["data"] = [describe_data(before_dir, before_sources),
+                           describe_data(data_dir, sources)]
     return changes
+
+
+def _weighted_identity(data_dir: Path, sources: tuple[Source, ...]) -> list[tuple[str, float]]:
+    """The data's digests with their shares (one dataset: a mixture of one, weight 1)."""
+    total = sum(s.weight for s in sources) or 1.0
+    weights = [s.weight / total for s in sources] or [1.0]
+    return list(zip(_data_identity(data_dir, sources), weights))
 
 
 def _started_at(record: dict[str, Any], phase: str) -> int | None:
