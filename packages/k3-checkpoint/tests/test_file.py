@@ -210,7 +210,7 @@ def test_appended_bytes_are_detected(tmp_path, checkpoint_bytes):
         (b"", "is empty"),
         (b"step: 100\nmodel: weights.bin\n", "is not a k3 checkpoint"),
         (bytes(range(256)) * 4, "is not a k3 checkpoint"),
-        (b"PK\x03\x04partial", "a save cut short"),
+        (b"PK\x03\x04partial", "not a complete torch file"),
     ],
     ids=["empty", "text", "random", "unfinished-tmp"],
 )
