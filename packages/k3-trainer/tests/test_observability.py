@@ -224,4 +224,6 @@ def test_every_training_session_keeps_the_report_current(data_dir, tmp_path, cap
     index = (run / "report" / "index.html").read_text()
     assert "<tr><th>steps</th><td>3</td></tr>" in index
     assert "<h2>Configuration</h2>" in index and "<th>decay_steps</th><td>3</td>" in index
+    assert "<tr><th>preset</th><td>tiny</td></tr>" in index  # the default, kept on resume
+    assert f"<tr><th>data</th><td>{data_dir.resolve()}</td></tr>" in index
     assert index.count("<figcaption>") == len(list((run / "report").glob("*.png"))) == 7

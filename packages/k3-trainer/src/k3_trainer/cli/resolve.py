@@ -327,6 +327,8 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
         listed = ", ".join(name.removeprefix("train_config.") for name in changes) or "nothing"
         said = (*said, f"phase {phase} starts at the checkpoint's step: it changes {listed}"
                 if new else f"phase {phase} already started at step {started}; it continues")
+    if preset is None and init_from is None:  # what the model was built from, on record
+        preset = record.get("preset") if record is not None else spec.default_preset
     return Plan(command, spec, config, model_config, data_dir, found if resume else None,
                 horizon_unset, preset=preset, recorded_data=recorded_data,
                 notes=(*notes, *said), init_from=init_from, callbacks=_callbacks(command),

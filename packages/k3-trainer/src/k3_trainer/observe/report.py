@@ -170,10 +170,11 @@ def _configuration(run_dir: Path) -> str:
     except (FileNotFoundError, ValueError):
         return ""
     data: dict[str, Any] = record["data"] if isinstance(record.get("data"), dict) else {}
-    sources = data.get("sources") or [{"name": "data", "dir": data.get("dir"), "weight": 1}]
+    sources = data.get("sources") or []
     summary = [("model", record.get("model", "k3")), ("preset", record.get("preset")),
                *((f"data: {s.get('name')}", f"{s.get('dir')} (weight {s.get('weight')})")
                  for s in sources if isinstance(s, dict)),
+               *([("data", data.get("dir"))] if not sources else []),
                ("sessions", len(record.get("sessions") or []))]
     parts = ["<h2>Configuration</h2>", _table(summary)]
     for key, title in (("train_config", "Training recipe"), ("model_config", "Model")):
