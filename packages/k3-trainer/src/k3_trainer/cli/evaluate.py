@@ -12,8 +12,7 @@ from .options import EvalCommand
 def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
     """The loss over ``--batches`` full batches from the start of the validation split
     (default: the run's ``eval_batches``, or its whole split up to ``eval_tokens``;
-    ``all``: the whole split), with the number of
-    tokens it measured."""
+    ``all``: the whole split), with the number of tokens it measured."""
     device = parse_device(command.device)
     if command.model is not None:
         run_ = pretrained(command.model, command.data, device)
