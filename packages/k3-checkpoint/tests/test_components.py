@@ -61,8 +61,48 @@ def test_a_new_component_is_one_more_entry(tmp_path):
     load_checkpoint(path, {**make_run(seed=2).components(), "ema": fresh}, run.metadata())
     assert torch.equal(fresh.shadow, torch.full((4,), 3.0)) and fresh.decay == 0.99
 
-    with pytest.raises(CheckpointError, match=r"incompatible ema — ema: only in the checkpoint"):
+    with pytest.raises(CheckpointError, match=r"holds components this load has none for: "
+                                              r"\['ema'\]"):
         load_checkpoint(path, make_run(seed=2).components(), run.metadata())
+
+
+def test_a_subset_load_reads_the_components_asked_for_and_leaves_the_rest(tmp_path):
+    """What a read-only use asks for (the model, here) is checked and restored; the saved
+    optimizer, its records and the other components are neither compared nor read, so a
+    component added later to the training side changes nothing for it."""
+    path = tmp_path / "ckpt.k3"
+    run = make_run()
+    run.step()
+    save_checkpoint(path, {**run.components(), "ema": Ema()}, run.metadata())
+    assert read_payload(path)["components"] == sorted([*run.components(), "ema"])
+
+    fresh = make_run(seed=2)
+    before = fresh.optimizer.state_dict()
+    load_checkpoint(path, {"model": fresh.model}, run.metadata(), subset=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(),
+                                                 run.model.state_dict().values()))
+    assert fresh.optimizer.state_dict() == before  # not asked for, not touched
+
+    with pytest.raises(CheckpointError, match="checkpoint has no state for component 'extra'"):
+        load_checkpoint(path, {"model": fresh.model, "extra": Ema()}, run.metadata(),
+                        subset=True)
+    with pytest.raises(CheckpointError, match="incompatible"):  # metadata is still compared
+        load_checkpoint(path, {"model": fresh.model}, {**run.metadata(), "vocab_size": -1},
+                        subset=True)
+
+
+def test_a_subset_load_of_a_file_that_does_not_name_its_components(tmp_path):
+    """A 0.1.0 payload has no ``components`` list: what is neither the library's nor
+    current metadata is taken as a component, optimizer records included."""
+    path = tmp_path / "ckpt.k3"
+    run = make_run()
+    run.step()
+    save_checkpoint(path, run.components(), run.metadata())
+    rewrite(path, lambda payload: payload.pop("components"))
+    fresh = make_run(seed=2)
+    load_checkpoint(path, {"model": fresh.model}, run.metadata(), subset=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(),
+                                                 run.model.state_dict().values()))
 
 
 def test_a_refusing_component_is_undone_with_everything_restored_before_it(tmp_path):

@@ -125,8 +125,9 @@ def test_payload_holds_the_documented_fields(tmp_path):
     assert set(payload) == {
         "format_version", "model", "optimizer", "optimizer_type", "optimizer_layout",
         "counters", "grad_scaler", "train_config", "model_config", "vocab_size", "qk_clip",
-        "loaders", "runtime", "rng",
+        "loaders", "runtime", "rng", "components",
     }  # fmt: skip
+    assert payload["components"] == ["counters", "grad_scaler", "loaders", "model", "optimizer"]
     assert payload["optimizer_type"] == "torch.optim.adamw.AdamW"
     assert payload["optimizer_layout"][0] == {
         "group": 0, "name": "embed.weight", "shape": [64, 16], "dtype": "torch.float32",

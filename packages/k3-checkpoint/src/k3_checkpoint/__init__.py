@@ -19,6 +19,7 @@ from .policy import Changes, CompatibilityPolicy
 from .rng import ValidRng, capture_rng, restore_rng, validate_rng_state
 from .runtime import runtime_signature
 from .save import save_checkpoint
+from .snapshot import CheckpointSnapshot, snapshot_checkpoint
 from .summary import CheckpointSummary, inspect_checkpoint
 
 try:
@@ -32,6 +33,7 @@ __all__ = [
     "MISSING",
     "Changes",
     "CheckpointError",
+    "CheckpointSnapshot",
     "CheckpointSummary",
     "CompatibilityPolicy",
     "Components",
@@ -50,5 +52,6 @@ __all__ = [
     "restore_rng",
     "runtime_signature",
     "save_checkpoint",
+    "snapshot_checkpoint",
     "validate_rng_state",
 ]

@@ -53,6 +53,7 @@ def load_checkpoint(
     policy: CompatibilityPolicy | None = None,
     *,
     modules: Sequence[torch.nn.Module] = (),
+    subset: bool = False,
 ) -> LoadedCheckpoint:
     """Resume ``components`` and the global RNG from ``path``.
 
@@ -64,6 +65,11 @@ def load_checkpoint(
     optimizers (with the checkpoint's hyperparameters), gradients cleared; the RNG last, so
     draws made while building or restoring cannot shift the resumed streams. ``modules``:
     as for ``save_checkpoint``, models in the runtime signature but not restored here.
+
+    ``subset``: ``components`` are the ones wanted, some of those saved (an evaluation reads
+    the model without the optimizer); the other saved components and their optimizer
+    records are neither read nor compared. Without it, every saved component needs a live
+    one: a resume restores everything or nothing.
     """
     policy = CompatibilityPolicy() if policy is None else policy
     payload, digest = read_verified(path)  # the file's own problems first
@@ -77,10 +83,12 @@ def load_checkpoint(
     except CheckpointError as error:  # the live objects' problems
         raise error.with_path(path) from error
     try:
+        others = _unwanted_components(payload, tree, current, subset)
         saved_metadata = {
             key: value
             for key, value in payload.items()
             if key not in RESERVED | set(tree.roots) | {f"{n}_layout" for n in tree.optimizers}
+            | others
         }
         saved_metadata["runtime"] = payload.get("runtime")
         accepted = policy.compare(saved_metadata, current, payload)
@@ -104,3 +112,29 @@ def load_checkpoint(
             path=path,
         ) from error
     return LoadedCheckpoint(Path(path), digest, saved_metadata, accepted)
+
+
+def _unwanted_components(
+    payload: Mapping[str, Any], tree: Tree, current: Mapping[str, Any], subset: bool
+) -> set[str]:
+    """The payload keys of saved components a ``subset`` load leaves unread (each one's
+    state and optimizer records); raise when a full load has no live component for one.
+
+    A file written before payloads named their components (0.1.0) has them
+    inferred: every key that is neither the library's nor current metadata is one."""
+    saved = payload.get("components")
+    if isinstance(saved, list):
+        names = {name for name in saved if isinstance(name, str)}
+    elif subset:
+        keys = set(payload) - RESERVED - set(current)
+        names = {key for key in keys if not any(
+            key == f"{owner}_{kind}" for owner in keys for kind in ("type", "layout"))}
+    else:
+        return set()  # an older file's extra components show as metadata differences
+    unwanted = names - set(tree.roots)
+    if unwanted and not subset:
+        raise CheckpointError(
+            f"the checkpoint holds components this load has none for: {sorted(unwanted)} "
+            f"(live: {sorted(tree.roots)}); a resume restores every saved component"
+        )
+    return unwanted | {f"{name}_{kind}" for name in unwanted for kind in ("type", "layout")}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,8 +18,9 @@ from .runtime import runtime_signature
 
 __all__ = ["RESERVED", "save_checkpoint"]
 
-RESERVED = frozenset({"format_version", "runtime", "rng"})
-"""Payload keys the library fills itself."""
+RESERVED = frozenset({"format_version", "runtime", "rng", "components"})
+"""Payload keys the library fills itself (``components``: the names of the saved
+components, so that a loader can restore some of them and tell the others from metadata)."""
 
 
 def save_checkpoint(
@@ -53,9 +54,11 @@ def build_payload(
     components: Components,
     metadata: Mapping[str, Any],
     modules: Sequence[torch.nn.Module] = (),
+    copy: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The payload ``save_checkpoint`` writes (checked, plain, but not yet on disk), the
-    components' small tensors packed side by side (``packing``)."""
+    components' small tensors packed side by side (``packing``). ``copy``: applied to the
+    components' states before packing (a snapshot copies them off the live objects)."""
     tree = Tree(components)
     tree.require_no_gradients()
     structure = tree.structure()
@@ -65,7 +68,8 @@ def build_payload(
     check_names(tree, plain)
     return {
         "format_version": FORMAT_VERSION,
-        **pack(tree.states()),
+        "components": sorted(tree.roots),
+        **pack(tree.states() if copy is None else copy(tree.states())),
         **structure,
         **plain,
         "runtime": runtime_signature(*tree.modules.values(), *modules),
