@@ -1,8 +1,9 @@
 """k3-checkpoint save, load+validate and resume memory against plain torch.save / torch.load.
 
 One table. Both sides handle the same model and AdamW state dicts in one process, interleaved
-(the order alternates every repeat), from the page cache; a row gives the medians, the ratio
-of medians and the min-max of the per-repeat ratios. The candidate's save includes fsync of
+(the order alternates every repeat), from the page cache; a row gives each side's median
+with its min-max, the ratio of medians and the min-max of the per-repeat ratios (a slow
+mode on one side shows in its max, which a median hides). The candidate's save includes fsync of
 the file and the directory, so its target is against ``torch.save + fsync``; the load target
 is against torch.load plus load_state_dict into the model and optimizer, the work
 load_checkpoint also does. Rows without a target show where the cost goes: the price of
@@ -167,10 +168,36 @@ def fsynced_torch_save(state: dict[str, object], path: Path) -> None:
         os.fsync(file.fileno())
 
 
+@dataclass
+class Comparison:
+    """Paired measurements: ``baseline[i]`` and ``candidate[i]`` were taken side by side."""
+
+    baseline: list[float]
+    candidate: list[float]
+
+    @property
+    def ratio(self) -> float:
+        """The ratio of the medians."""
+        return statistics.median(self.candidate) / statistics.median(self.baseline)
+
+    def cells(self, scale: float = 1e3, form: str = ".1f") -> tuple[str, str, str, str]:
+        """(baseline, measured, ratio, spread) as the table prints them: each side's median
+        (min-max), the ratio of medians and the min-max of the per-repeat ratios."""
+        ratios = [c / b for b, c in zip(self.baseline, self.candidate)]
+        return (spread(self.baseline, scale, form), spread(self.candidate, scale, form),
+                f"{self.ratio:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}")  # fmt: skip
+
+
+def spread(values: list[float], scale: float, form: str) -> str:
+    """``median (min-max)`` of ``values`` times ``scale``."""
+    low, middle, high = (scale * v for v in (min(values), statistics.median(values), max(values)))
+    return f"{middle:{form}} ({low:{form}}-{high:{form}})"
+
+
 def compare(
     repeats: int, baseline: Callable[[], object], candidate: Callable[[], object]
-) -> tuple[float, float, float, float, float]:
-    """(baseline median s, candidate median s, ratio of medians, min ratio, max ratio)."""
+) -> Comparison:
+    """``repeats`` interleaved pairs of seconds, after one warm-up call of each."""
     baseline()  # warm-up: page cache, allocator, lazy imports
     candidate()
     base, cand = [], []
@@ -179,9 +206,7 @@ def compare(
         first, second = timed(pair[0]), timed(pair[1])
         base.append(first if repeat % 2 == 0 else second)
         cand.append(second if repeat % 2 == 0 else first)
-    ratios = [c / b for b, c in zip(base, cand)]
-    median_base, median_cand = statistics.median(base), statistics.median(cand)
-    return median_base, median_cand, median_cand / median_base, min(ratios), max(ratios)
+    return Comparison(base, cand)
 
 
 def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, ...]]:
@@ -250,12 +275,9 @@ def bench_state(state: State, repeats: int, directory: Path) -> list[tuple[str, 
     ]  # fmt: skip
     table: list[tuple[str, ...]] = []
     for measure, baseline_name, baseline, candidate, judged in rows:
-        base, cand, ratio, low, high = compare(repeats, baseline, candidate)
-        table.append(
-            (state.name, size, measure, baseline_name, f"{base * 1e3:.1f}",
-             f"{cand * 1e3:.1f}", f"{ratio:.2f}x", f"{low:.2f}-{high:.2f}",
-             verdict(ratio, TARGET) if judged else "-")
-        )  # fmt: skip
+        measured = compare(repeats, baseline, candidate)
+        table.append((state.name, size, measure, baseline_name, *measured.cells(),
+                      verdict(measured.ratio, TARGET) if judged else "-"))  # fmt: skip
     return table
 
 
@@ -335,21 +357,18 @@ def bench_fresh_resume(
                 times[kind].append(seconds)
                 peaks[kind].append(peak)
     size = f"{(directory / f'{name}.k3').stat().st_size / 2**20:.1f} MiB"
-    measures = [("resume ms, fresh process", times, "k3", 1e3, ".1f", None)]
+    Measure = tuple[str, dict[str, list[float]], str, float, str, "float | None"]
+    measures: list[Measure] = [("resume ms, fresh process", times, "k3", 1e3, ".1f", None)]
     measures += [
         (f"resume peak MiB added, fresh process{'' if kind == 'k3' else ', ' + RESUMES[kind]}",
          peaks, kind, 1.0, ".0f", MEMORY_TARGET if kind == "k3" else None)
         for kind in kinds[1:]
     ]  # fmt: skip
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for measure, values, kind, scale, form, target in measures:
-        base, cand = statistics.median(values["plain"]), statistics.median(values[kind])
-        ratios = sorted(k / b for b, k in zip(values["plain"], values[kind]))
-        rows.append(
-            (name, size, measure, RESUMES["plain"], f"{base * scale:{form}}",
-             f"{cand * scale:{form}}", f"{cand / base:.2f}x",
-             f"{ratios[0]:.2f}-{ratios[-1]:.2f}", verdict(cand / base, target) if target else "-")
-        )  # fmt: skip
+        measured = Comparison(values["plain"], values[kind])
+        rows.append((name, size, measure, RESUMES["plain"], *measured.cells(scale, form),
+                     verdict(measured.ratio, target) if target else "-"))  # fmt: skip
     return rows
 
 
@@ -367,12 +386,10 @@ def checksum_rates(name: str, path: Path, repeats: int) -> list[tuple[str, ...]]
         ("sha256 (0.1.x's digest)", lambda: hashlib.sha256(data).digest()),
         ("crc32", lambda: zlib.crc32(data)),
     ):
-        base, cand, ratio, low, high = compare(repeats, load, function)
-        rows.append(
-            (name, size, f"{algorithm} ms, in memory ({data.nbytes / cand / 1e9:.1f} GB/s)",
-             "torch.load", f"{base * 1e3:.1f}", f"{cand * 1e3:.1f}", f"{ratio:.2f}x",
-             f"{low:.2f}-{high:.2f}", "-")
-        )  # fmt: skip
+        measured = compare(repeats, load, function)
+        rate = data.nbytes / statistics.median(measured.candidate) / 1e9
+        rows.append((name, size, f"{algorithm} ms, in memory ({rate:.1f} GB/s)", "torch.load",
+                     *measured.cells(), "-"))  # fmt: skip
     return rows
 
 
@@ -411,7 +428,7 @@ def main() -> None:
     sizes = [(name, *SIZES[name]) for name in names]
     print(
         f"k3-checkpoint vs plain torch: torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads, {repeats} interleaved repeats (ms and MiB are medians)"
+        f"threads, {repeats} interleaved repeats (ms and MiB: median (min-max))"
     )
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         directory = Path(scratch)

@@ -42,6 +42,46 @@ def test_the_trailer_holds_the_documented_checksum(tmp_path):
     assert load_checkpoint(path, **run.save_kwargs()).digest == returned
 
 
+@pytest.mark.parametrize(
+    "pieces",
+    [[1 << 30], [1], [21], [22], [23], [1, 2, 21, 22, 23, 4096, 3]],
+    ids=["at-once", "bytes", "21", "22", "23", "mixed"],
+)
+def test_the_checksum_taken_while_writing_is_the_files_whatever_the_write_sizes(
+    tmp_path, monkeypatch, pieces
+):
+    """The save hashes what torch.save writes as it writes it and holds the zip's end record
+    back to set its comment length; however torch.save cuts its writes, the file is
+    torch.save's zip with that one field set, then the trailer, and the trailer's checksum
+    is the file's."""
+    real_save = torch.save
+    payload = {"format_version": 7, "w": torch.arange(3000.0), "s": torch.ones(3), "n": "x"}
+    body = io.BytesIO()
+    real_save(payload, body)
+    zip_bytes = bytearray(body.getvalue())
+    zip_bytes[-2:] = TRAILER_SIZE.to_bytes(2, "little")  # the comment: the trailer
+
+    def in_pieces(obj, file, *args, **kwargs):
+        data, start, turn = memoryview(body.getvalue()), 0, 0
+        while start < len(data):
+            size = pieces[turn % len(pieces)]
+            file.write(data[start : start + size])
+            start, turn = start + size, turn + 1
+        file.flush()
+
+    monkeypatch.setattr(torch, "save", in_pieces)
+    path = tmp_path / "ckpt.k3"
+    checksum = write_payload(path, payload)
+    raw = path.read_bytes()
+    assert raw[:-TRAILER_SIZE] == zip_bytes
+    assert raw[-TRAILER_SIZE:] == payload_module.pack_trailer(
+        7, len(zip_bytes), xxhash.xxh3_128(bytes(zip_bytes)).digest()
+    )
+    assert checksum == xxhash.xxh3_128(bytes(zip_bytes)).hexdigest()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.equal(read_payload(path)["w"], payload["w"])
+
+
 @pytest.mark.parametrize("size", [0, 1, (1 << 20) - 1, 1 << 20, (3 << 20) + 17])
 def test_every_checksum_path_agrees(tmp_path, size):
     data = os.urandom(size)
@@ -98,7 +138,7 @@ def hashing(request, monkeypatch):
 
     monkeypatch.setattr(payload_module, "checksum_of_file", recorded)
     yield
-    # The last checksum a test takes is its read's (a write before it hashes on this thread).
+    # Reads alone take checksums of the file (a write hashes its bytes as it writes them).
     assert calls and calls[-1] == overlapped
 
 

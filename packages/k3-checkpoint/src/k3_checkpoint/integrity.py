@@ -14,7 +14,9 @@ from typing import BinaryIO
 
 import xxhash
 
-__all__ = ["ALGORITHM", "checksum_of_bytes", "checksum_of_file", "file_checksum"]
+__all__ = [
+    "ALGORITHM", "checksum_of_bytes", "checksum_of_file", "file_checksum", "running_checksum",
+]  # fmt: skip
 
 ALGORITHM = "xxh3-128"
 """The checksum's name, as headers and manifests record it."""
@@ -28,12 +30,19 @@ def checksum_of_bytes(data: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+def running_checksum() -> xxhash.xxh3_128:
+    """A checksum fed piece by piece (``update``), whose ``digest()`` is
+    ``checksum_of_bytes`` of the pieces joined: a writer hashes its bytes as it writes them
+    rather than reading the file back."""
+    return xxhash.xxh3_128()
+
+
 def checksum_of_file(
     file: BinaryIO, start: int, stop: int, chunk: int = CHUNK
 ) -> bytes | None:
     """The checksum of bytes ``[start, stop)`` of the open ``file``, read ``chunk`` bytes at a
     time, or None when the file ends before ``stop`` (it shrank since its size was read)."""
-    hasher = xxhash.xxh3_128()
+    hasher = running_checksum()
     view = memoryview(bytearray(chunk))
     file.seek(start)
     remaining = stop - start

@@ -21,22 +21,21 @@ weights-only load, so a hostile pickle cannot run code (the checksum is not a
 signature: anyone can recompute it). Files written by 0.1.x (a sha256 header in front)
 are still read (``legacy.py``).
 
-Writes are atomic: ``torch.save`` writes ``path.tmp``, the zip's comment length is set to
-the trailer's, the bytes are hashed back from the page cache, the trailer is appended, the
-file is fsynced, renamed over ``path`` (the file it replaces is freed on a background
-thread) and the directory is fsynced. A crash at any point leaves the previous ``path``
-intact; nothing reads ``.tmp`` in place of ``path``, and one cut short has no trailer,
-which the reader refuses by name.
+Writes are atomic: ``torch.save`` writes ``path.tmp`` through ``_ZipWriter``, which hashes
+every byte on its way to the file (nothing is read back) and holds the zip's end record back
+until its comment length is the trailer's; the trailer is appended, the file is fsynced,
+renamed over ``path`` (the rename frees the file it replaces, before the save returns) and
+the directory is fsynced. A crash at any point leaves the previous ``path`` intact; nothing
+reads ``.tmp`` in place of ``path``, and one cut short has no trailer, which the reader
+refuses by name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import os
 import pickle
-import stat
 import struct
 import zlib
 from collections.abc import Callable, Mapping
@@ -48,7 +47,7 @@ import torch
 
 from . import legacy
 from .errors import CheckpointError
-from .integrity import checksum_of_file
+from .integrity import checksum_of_file, running_checksum
 
 __all__ = [
     "FORMAT_VERSION", "HISTORICAL_FORMATS", "fsync_directory", "pack_trailer", "read_payload",
@@ -79,23 +78,28 @@ def pack_trailer(format_version: int, length: int, checksum: bytes) -> bytes:
 
 def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> str:
     """Atomically write ``payload`` to ``path`` (see the module docstring); return its hex
-    checksum."""
+    checksum.
+
+    The file ``path`` held before is freed by the rename, inside the save, as a
+    ``torch.save`` over it frees it. It is not left to a close on a background thread:
+    freeing a large file is block-allocator and device work (on a filesystem mounted with
+    ``discard``, its blocks are discarded as they are freed), and running after the save
+    returned it overlapped the next file's writing, whose block allocation then waited for
+    the block groups being freed: a save that came soon after another took up to twice as
+    long, at random, and whatever followed a save (a ``torch.save`` too) paid for what it had
+    left behind.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
     try:
-        with open(temporary, "w+b") as file:  # read too: the checksum reads back the zip
-            torch.save(dict(payload), file)
-            file.flush()
-            length = file.tell()
-            _announce_trailer(file, length)
-            checksum = checksum_of_file(file, 0, length)
-            assert checksum is not None  # the file is ours and was just written
-            file.seek(length)
-            file.write(pack_trailer(FORMAT_VERSION, length, checksum))
+        with open(temporary, "wb") as file:
+            zip_writer = _ZipWriter(file)
+            torch.save(dict(payload), zip_writer)  # type: ignore[arg-type]  # write, flush
+            checksum = zip_writer.finish()
             file.flush()
             os.fsync(file.fileno())
-        _replace(temporary, path)
+        os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
         cause = _os_error_behind(error)
@@ -108,51 +112,60 @@ def write_payload(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> s
     return checksum.hex()
 
 
-def _announce_trailer(file: BinaryIO, length: int) -> None:
-    """Make the trailer the zip's comment: set the comment length of the end record that
-    ``torch.save`` wrote last (22 bytes, no comment) to the trailer's size."""
-    file.seek(length - _END_RECORD.size)
-    signature, comment = _END_RECORD.unpack(file.read(_END_RECORD.size))
-    if signature != _END_SIGNATURE or comment != 0:
-        raise CheckpointError("torch.save wrote a zip whose end record is not last; this "
-                              "k3-checkpoint does not know the layout of this torch's files")
-    file.seek(length - 2)
-    file.write(struct.pack("<H", TRAILER_SIZE))
+class _ZipWriter:
+    """The file-like ``torch.save`` writes to (``write`` and ``flush``, what ``torch.save``
+    asks of one): each byte goes to ``file`` and into the checksum as it is written, except
+    the last 22, which may be the zip's end record and are held back until ``finish``.
 
+    Hashing on the way out reads each byte once more from the memory ``torch.save`` writes
+    it from; hashing the finished file would copy all of it back out of the page cache
+    first. The end record is held back because the trailer is the zip's comment: its
+    comment length changes before it is hashed, so it is written once, in order, and the
+    file is written front to back."""
 
-def _replace(temporary: Path, path: Path) -> None:
-    """``os.replace(temporary, path)``, leaving the replaced file to be freed on another thread.
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._checksum = running_checksum()
+        self._held = b""
+        self._length = 0
 
-    A rename frees the file it replaces when nothing else holds it, and freeing a large
-    file is not free (on a filesystem mounted with ``discard``, a noticeable share of the
-    save; BENCHMARKS.md). Holding the old file open across the rename moves that work to
-    its last close, which a background thread does while the caller goes on (database
-    engines delete obsolete files in the background for the same reason). The new file is in
-    place either way; if the machine stops before the close, the filesystem frees the orphan
-    when it mounts. Not on Windows, where an open file cannot be replaced."""
-    held = _open_replaced(path)
-    try:
-        os.replace(temporary, path)
-    finally:
-        if held is not None:
-            _closer().submit(_close_replaced, held)
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        keep = _END_RECORD.size
+        if size >= keep:
+            self._pass_on(self._held)
+            self._pass_on(view[: size - keep])
+            self._held = view[size - keep :].tobytes()
+        else:
+            joined = self._held + view.tobytes()
+            self._pass_on(joined[: max(0, len(joined) - keep)])
+            self._held = joined[-keep:]
+        self._length += size
+        return size
 
+    def flush(self) -> None:
+        self._file.flush()
 
-def _open_replaced(path: Path) -> int | None:
-    """A read-only descriptor of the regular file at ``path`` (a link is not followed: the
-    rename replaces the link), or None: nothing there, not a regular file (opening a FIFO or
-    a device could block or act), not ours to read, or Windows."""
-    if os.name == "nt":
-        return None
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    with contextlib.suppress(OSError):
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            return os.open(path, flags)
-    return None
+    def _pass_on(self, data: bytes | memoryview) -> None:
+        if data:
+            self._checksum.update(data)
+            self._file.write(data)
 
-
-def _close_replaced(descriptor: int) -> None:
-    os.close(descriptor)
+    def finish(self) -> bytes:
+        """Make the trailer the zip's comment (set the comment length of the end record
+        ``torch.save`` wrote last, 22 bytes with no comment, to the trailer's size), write
+        the end record and the trailer; return the checksum of the zip."""
+        end = bytearray(self._held)
+        if len(end) != _END_RECORD.size or _END_RECORD.unpack(end) != (_END_SIGNATURE, 0):
+            raise CheckpointError("torch.save wrote a zip whose end record is not last; this "
+                                  "k3-checkpoint does not know the layout of this torch's files")
+        struct.pack_into("<H", end, _END_RECORD.size - 2, TRAILER_SIZE)
+        self._pass_on(memoryview(end))
+        self._held = b""
+        checksum = self._checksum.digest()
+        self._file.write(pack_trailer(FORMAT_VERSION, self._length, checksum))
+        return checksum
 
 
 def _os_error_behind(error: BaseException) -> OSError | None:
@@ -415,12 +428,6 @@ def _identify_foreign(path: Path, file: BinaryIO, size: int, tail: bytes) -> str
             "integrity cannot be verified"
         )
     return format_problem(version) or "is not a k3 checkpoint"
-
-
-@functools.cache
-def _closer() -> ThreadPoolExecutor:
-    """The thread that closes (and so frees) the files saves replace."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-checkpoint-close")
 
 
 def fsync_directory(directory: str | os.PathLike[str]) -> None:
