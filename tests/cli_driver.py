@@ -4,11 +4,19 @@ Usage: ``python cli_driver.py ARGS...`` (the arguments of ``k3-train``). Without
 variables below it behaves exactly like ``python -m k3_trainer.cli ARGS...``.
 
 - ``K3_TEST_OPEN_LOG=FILE``: append ``pid<TAB>mode<TAB>flags<TAB>path`` to FILE for every
-  open of a checkpoint file (a Python audit hook), so a test can prove what was read.
-- ``K3_TEST_KILL=POINT:N``: SIGKILL this process inside its N-th checkpoint write:
-  ``mid-payload`` (half of the payload bytes written and fsynced), ``before-rename`` (the
-  ``.tmp`` complete and fsynced, not yet renamed) or ``after-rename`` (published, directory
-  not yet fsynced).
+  open of a checkpoint file (``k3.ckpt`` of a history, a run's ``checkpoint.pt`` from
+  before the history, or either's ``.tmp``; a Python audit hook), so a test can prove what
+  was read.
+- ``K3_TEST_KILL=POINT:N``: SIGKILL this process inside its N-th checkpoint write, which
+  stages ``checkpoints/.step-NNNNNNNN.tmp/k3.ckpt.tmp``, renames it to ``k3.ckpt``, renames
+  the folder to ``step-NNNNNNNN``, then moves ``latest`` (``.latest.new`` renamed over it):
+  ``mid-payload`` (half of the payload bytes written, flushed, and fsynced where the stream
+  has a descriptor), ``before-rename`` (the ``.tmp`` complete and fsynced, not yet
+  renamed), ``before-publish`` (the hidden folder complete, not yet renamed to its step
+  name), ``before-latest`` (the step folder named, ``latest`` not yet moved) or
+  ``after-rename`` (published: ``latest`` moved, the directory not yet fsynced). A
+  single-file checkpoint (``checkpoint.pt``, a library's ``checkpoint_path``) has the
+  first two and ``after-rename`` (its ``.tmp`` renamed).
 - ``K3_TEST_KILL_RANK=R:sharded-write:N``: in the torchrun rank R only, SIGKILL this
   process inside its N-th sharded checkpoint write, once its shards are on disk and
   before the checkpoint is published.
@@ -36,10 +44,33 @@ def _log_checkpoint_opens(log_path: str) -> None:
     def hook(event: str, args: tuple) -> None:
         if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
             path = os.fsdecode(args[0])
-            if "checkpoint.pt" in path:
+            if "checkpoint.pt" in path or "k3.ckpt" in path:
                 os.write(descriptor, f"{pid}\t{args[1]}\t{args[2]}\t{path}\n".encode())
 
     sys.addaudithook(hook)
+
+
+def _is_staged_file(path: str) -> bool:
+    """The ``.tmp`` of a checkpoint file (``k3.ckpt.tmp``, ``checkpoint.pt.tmp``)."""
+    return path.endswith((".ckpt.tmp", ".pt.tmp"))
+
+
+def _is_staged_folder(path: str) -> bool:
+    """A history's hidden ``.step-NNNNNNNN.tmp`` folder."""
+    name = os.path.basename(path)
+    return name.startswith(".step-") and name.endswith(".tmp")
+
+
+def _is_latest_swap(path: str) -> bool:
+    """The new ``latest`` symlink of a history, renamed over the old one."""
+    return os.path.basename(path) == ".latest.new"
+
+
+def _publishes(path: str) -> bool:
+    """A rename that makes a checkpoint the one a resume finds: ``latest`` moved, or a
+    single file's ``.tmp`` renamed (but not one inside a history's hidden folder)."""
+    return _is_latest_swap(path) or (_is_staged_file(path)
+                                     and not _is_staged_folder(os.path.dirname(path)))
 
 
 def _kill_inside_checkpoint_write(spec: str) -> None:
@@ -57,7 +88,7 @@ def _kill_inside_checkpoint_write(spec: str) -> None:
 
         def save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
             nonlocal seen
-            if str(getattr(f, "name", "")).endswith(".tmp"):
+            if isinstance(obj, dict) and "format_version" in obj:  # a checkpoint's payload
                 seen += 1
                 if seen == target:
                     buffer = io.BytesIO()
@@ -65,29 +96,39 @@ def _kill_inside_checkpoint_write(spec: str) -> None:
                     data = buffer.getvalue()
                     f.write(data[: len(data) // 2])
                     f.flush()
-                    os.fsync(f.fileno())
+                    if hasattr(f, "fileno"):  # SIGKILL keeps what was written anyway
+                        os.fsync(f.fileno())
                     die()
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = save
         return
-    if point not in ("before-rename", "after-rename"):
+    # Each kill point: the os call it happens at, the renamed paths it counts, and whether
+    # it dies before the rename (or right after it).
+    points = {
+        "before-rename": ("replace", _is_staged_file, True),
+        "before-publish": ("rename", _is_staged_folder, True),
+        "before-latest": ("replace", _is_latest_swap, True),
+        "after-rename": ("replace", _publishes, False),
+    }
+    if point not in points:
         raise SystemExit(f"cli_driver: unknown kill point {point!r}")
-    real_replace = os.replace
+    name, matches, before = points[point]
+    real = getattr(os, name)
 
-    def replace(source, destination, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def renaming(source, destination, *args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal seen
-        if os.fspath(source).endswith("checkpoint.pt.tmp"):
-            seen += 1
-            if seen == target and point == "before-rename":
-                die()
-            real_replace(source, destination, *args, **kwargs)
-            if seen == target:
-                die()
-            return None
-        return real_replace(source, destination, *args, **kwargs)
+        if not matches(os.fspath(source)):
+            return real(source, destination, *args, **kwargs)
+        seen += 1
+        if seen == target and before:
+            die()
+        real(source, destination, *args, **kwargs)
+        if seen == target:
+            die()
+        return None
 
-    os.replace = replace
+    setattr(os, name, renaming)
 
 
 def _kill_rank_inside_sharded_write(spec: str) -> None:

@@ -317,9 +317,20 @@ class Inject(nn.Module):
         return logits, loss
 
 
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The run directory's latest checkpoint file, ``checkpoints/latest/k3.ckpt`` (``latest``
+    a symlink naming a ``step-NNNNNNNN`` folder beside it)."""
+    link = Path(run_dir) / "checkpoints" / "latest"
+    assert link.is_symlink(), f"{link} is not the symlink of a checkpoint history"
+    assert os.readlink(link).startswith("step-"), os.readlink(link)
+    return link / "k3.ckpt"
+
+
 def tree_bytes(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` (relative path → content): "nothing changed" is equality."""
+    """Every file under ``root`` (relative path → content) and every symlink (→ ``b"-> "``
+    and its target, e.g. a history's ``latest``): "nothing changed" is equality."""
     if not root.exists():
         return {}
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+    return {str(p.relative_to(root)): (b"-> " + os.fsencode(os.readlink(p)) if p.is_symlink()
+                                       else p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_symlink() or p.is_file()}

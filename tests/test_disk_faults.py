@@ -22,6 +22,7 @@ from harness import (
     assert_one_line_error,
     build_run,
     k3_train,
+    latest_checkpoint,
     train_config,
     tree_bytes,
 )
@@ -40,7 +41,7 @@ def _disk_full_at(monkeypatch, write: int, *, like_torch: bool) -> None:
     real_save, seen = torch.save, [0]
 
     def save(obj, f, *args, **kwargs):
-        if not str(getattr(f, "name", "")).endswith(".tmp"):
+        if not (isinstance(obj, dict) and "format_version" in obj):  # not a checkpoint's
             return real_save(obj, f, *args, **kwargs)
         seen[0] += 1
         if seen[0] != write:
@@ -77,37 +78,54 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(
     assert code == 1, err
     assert len(err) == 1 and err[0].startswith("k3-train: error: cannot write checkpoint "), err
     assert "No space left on device" in err[0]
-    assert "the previous checkpoint there is unchanged" in err[0]
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "metrics.jsonl",
-                                                      "run.json"]  # no .tmp left behind
-    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 2
+    assert err[0].endswith(f"the latest checkpoint, {run / 'checkpoints' / 'step-00000002'}, "
+                           "is unchanged"), err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl",
+                                                      "run.json"]
+    assert _history(run) == ["latest", "step-00000002"]  # no .tmp left behind
+    assert read_payload(latest_checkpoint(run))["counters"]["step"] == 2
 
     monkeypatch.undo()  # space is back: the run resumes from step 2 and loses nothing
     assert _cli(["train", "--run-dir", run, "--resume"], capsys)[0] == 0
     assert _cli(["train", "--run-dir", clean, *common, "--max-steps", 6], capsys)[0] == 0
-    assert_bitwise_equal(read_payload(clean / "checkpoint.pt"),
-                         read_payload(run / "checkpoint.pt"))
+    assert_bitwise_equal(read_payload(latest_checkpoint(clean)),
+                         read_payload(latest_checkpoint(run)))
 
 
-def test_a_failed_rename_keeps_the_previous_checkpoint(tmp_path, data_dir, small_toml, capsys,
-                                                       monkeypatch):
+def _history(run) -> list[str]:
+    """What the run's checkpoint history holds, hidden entries included."""
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+# The two renames of a save: the staged file into place inside its hidden step folder
+# (os.replace), then that folder to its step name (os.rename), which publishes it.
+RENAMES = {"file": ("replace", "k3.ckpt.tmp"), "folder": ("rename", ".step-00000003.tmp")}
+
+
+@pytest.mark.parametrize("which", sorted(RENAMES))
+def test_a_failed_rename_keeps_the_previous_checkpoint(which, tmp_path, data_dir, small_toml,
+                                                       capsys, monkeypatch):
     run = tmp_path / "run"
     assert _cli(["train", "--run-dir", run, "--data", data_dir, "--config", small_toml,
                  *FLAGS, "--max-steps", 2], capsys)[0] == 0
-    before = (run / "checkpoint.pt").read_bytes()
-    real_replace = os.replace
+    before = latest_checkpoint(run).read_bytes()
+    name, suffix = RENAMES[which]
+    real, failed = getattr(os, name), []
 
-    def replace(source, destination, *args, **kwargs):
-        if os.fspath(source).endswith("checkpoint.pt.tmp"):
+    def rename(source, destination, *args, **kwargs):
+        if os.fspath(source).endswith(suffix):
+            failed.append(os.fspath(source))
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(destination))
-        return real_replace(source, destination, *args, **kwargs)
+        return real(source, destination, *args, **kwargs)
 
-    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, name, rename)
     code, err = _cli(["train", "--run-dir", run, "--resume", "--max-steps", 4], capsys)
+    assert failed, f"the checkpoint write never called os.{name} on a {suffix}"
     assert code == 1 and len(err) == 1, err
     assert "cannot write checkpoint" in err[0] and "Read-only file system" in err[0]
-    assert (run / "checkpoint.pt").read_bytes() == before
-    assert not (run / "checkpoint.pt.tmp").exists()
+    assert os.readlink(run / "checkpoints" / "latest") == "step-00000002"
+    assert latest_checkpoint(run).read_bytes() == before
+    assert _history(run) == ["latest", "step-00000002"]  # no .tmp left behind
 
 
 def test_library_save_reports_the_oserror_and_keeps_the_previous_file(tmp_path, data_dir,
@@ -149,14 +167,14 @@ def run_at_step_2(tmp_path, data_dir, small_toml):
 def test_a_file_size_limit_fails_the_save_in_a_real_process(run_at_step_2):
     """The kernel refuses the write past 200 kB (the checkpoint is about 460 kB)."""
     run = run_at_step_2
-    before = (run / "checkpoint.pt").read_bytes()
+    before = latest_checkpoint(run).read_bytes()
     assert len(before) > 300_000
     resumed = k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4, driver=True,
                        env={"K3_TEST_FSIZE": "200000"})
     line = assert_one_line_error(resumed, "cannot write checkpoint", code=1)
-    assert "File too large" in line and "the previous checkpoint there is unchanged" in line
-    assert (run / "checkpoint.pt").read_bytes() == before
-    assert not (run / "checkpoint.pt.tmp").exists()
+    assert "File too large" in line and "step-00000002, is unchanged" in line
+    assert latest_checkpoint(run).read_bytes() == before
+    assert _history(run) == ["latest", "step-00000002"]  # no .tmp left behind
     assert k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4).returncode == 0
 
 

@@ -1,7 +1,10 @@
 """Data-parallel checkpoints on 2 CPU processes (torchrun, gloo).
 
-DDP writes one format-7 file (rank 0); FSDP2 writes a sharded ``torch.distributed.checkpoint``
-folder with a format-7 ``k3.ckpt`` on top, published atomically. Both resume bitwise at the
+A run's checkpoints go to its history, ``checkpoints/step-NNNNNNNN/`` with ``latest`` naming
+the newest: under DDP the folder holds one format-7 ``k3.ckpt`` (rank 0 writes it); under
+FSDP2 it is a sharded ``torch.distributed.checkpoint`` folder holding every component, with
+a format-7 ``k3.ckpt`` of metadata, RNG and the shard index beside the shards, staged in
+``checkpoints/.step-NNNNNNNN.tmp`` and published by a rename. Both resume bitwise at the
 same world size; a rank killed with SIGKILL mid-run (inside a checkpoint write) costs only
 the steps since the last published checkpoint and the restarted run ends bitwise equal to
 an uninterrupted one; another world size or layout resumes only with
@@ -13,13 +16,14 @@ verifies every shard. Deselect with ``-m 'not distributed'``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_bitwise_equal, k3_train, toml_text
+from harness import assert_bitwise_equal, k3_train, latest_checkpoint, toml_text
 from test_distributed_training import (
     BATCH,
     STEPS,
@@ -56,20 +60,47 @@ def _torchrun(*args: object, env: dict[str, str] | None = None, ok: bool = True)
     return result
 
 
-def _final_state(run_dir: Path, scratch: Path) -> dict:
-    """The run's checkpoint as one payload: a sharded one's tensors gathered in (through
-    DCP's own converter), its shard-file index dropped (DCP's metadata is not byte-stable)."""
-    found = find_checkpoint(run_dir)
-    assert found is not None, run_dir
-    if not found.is_dir():
-        return read_payload(found)
+def _sharded_components(folder: Path, scratch: Path) -> dict:
+    """Every component a sharded checkpoint folder keeps in DCP (model, optimizer,
+    counters, loaders, grad_scaler, callbacks), gathered whole by DCP's own converter."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    assert (folder / ".metadata").is_file(), f"{folder} is not a sharded checkpoint"
+    out = scratch / "gathered.pt"
+    dcp_to_torch_save(folder, out)
+    gathered = torch.load(out, weights_only=True)
+    out.unlink()
+    return gathered
+
+
+def _final_state(run_dir: Path, scratch: Path) -> dict:
+    """The run's latest checkpoint as one payload: a sharded one's components gathered
+    from DCP beside ``k3.ckpt``'s metadata and RNG, its shard-file index dropped (DCP's
+    metadata is not byte-stable)."""
+    found = find_checkpoint(run_dir)
+    assert found is not None, run_dir
+    assert found.resolve() == (run_dir / "checkpoints" / "latest").resolve(), found
+    if not (found / ".metadata").is_file():  # one process or DDP: k3.ckpt alone
+        assert sorted(p.name for p in found.iterdir()) == ["k3.ckpt"], found
+        return read_payload(found / "k3.ckpt")
     payload = read_payload(found / "k3.ckpt")
-    del payload["shards"]
-    dcp_to_torch_save(found, scratch / f"{run_dir.name}.pt")
-    payload["tensors"] = torch.load(scratch / f"{run_dir.name}.pt", weights_only=True)
-    return payload
+    assert payload["components"] == ["shards"], payload["components"]
+    index = payload.pop("shards")
+    components = _sharded_components(found, scratch)
+    assert sorted(components) == sorted({name.split(".")[0] for name in index["components"]})
+    assert not set(components) & set(payload), set(components) & set(payload)
+    return {**payload, **components}
+
+
+def _checkpoint_steps(run_dir: Path) -> list[int]:
+    """The steps of the ``checkpoint`` events rank 0 logged, in order."""
+    return [e["step"] for e in read_events(run_dir / "metrics.jsonl")
+            if e["event"] == "checkpoint"]
+
+
+def _history(run_dir: Path) -> list[str]:
+    """The entries of the run's checkpoint history, hidden ones included."""
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +140,16 @@ def test_resume_at_the_same_world_size_is_bitwise(parallel, continuous, config, 
     assert a["data_parallel"] == layout
     assert a["counters"]["tokens_seen"] == STEPS * BATCH * 16
     assert_bitwise_equal(a, b)
-    if parallel != "ddp":  # the published folder, no leftovers; the tensors are sharded
-        link = run_dir / "checkpoint.dcp"
-        assert link.is_symlink() and link.resolve().name == f"checkpoint.dcp.step-{STEPS:08d}"
-        assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == [
-            "checkpoint.dcp", f"checkpoint.dcp.step-{STEPS:08d}"]
-        shards = sorted(p.name for p in link.iterdir() if p.suffix == ".distcp")
-        assert len(shards) == 2 and "model" in b["tensors"] and "optimizer" in b["tensors"]
-        assert not (run_dir / "checkpoint.pt").exists()
+    # The published folder, no leftovers (keep_last 1: the newest step only).
+    assert _history(run_dir) == ["latest", f"step-{STEPS:08d}"]
+    assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{STEPS:08d}"
+    assert not (run_dir / "checkpoint.pt").exists() and not (run_dir / "checkpoint.dcp").exists()
+    if parallel != "ddp":  # every component is sharded in DCP
+        folder = run_dir / "checkpoints" / "latest"
+        shards = sorted(p.name for p in folder.iterdir() if p.suffix == ".distcp")
+        assert shards == ["__0_0.distcp", "__1_0.distcp"], shards
+        assert {"model", "optimizer", "counters", "loaders", "grad_scaler"} <= set(b)
+        assert b["counters"]["step"] == STEPS
 
 
 def test_a_rank_killed_inside_a_checkpoint_write_resumes_bitwise(continuous, config,
@@ -128,10 +161,16 @@ def test_a_rank_killed_inside_a_checkpoint_write_resumes_bitwise(continuous, con
     # published yet. torchrun then fails the whole job.
     killed = _torchrun(*cli, env={"K3_TEST_KILL_RANK": "1:sharded-write:2"}, ok=False)
     assert killed.returncode != 0
-    assert (run_dir / ".checkpoint.dcp.tmp").is_dir()  # the unpublished write
-    assert read_payload(run_dir / "checkpoint.dcp" / "k3.ckpt")["counters"]["step"] == 2
+    assert "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]  # the kill fired
+    staged = run_dir / "checkpoints" / ".step-00000004.tmp"  # the unpublished write
+    assert staged.is_dir() and any(p.suffix == ".distcp" for p in staged.iterdir())
+    assert not (staged / "k3.ckpt").exists()
+    assert _history(run_dir) == [".step-00000004.tmp", "latest", "step-00000002"]
+    assert find_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000002"
+    assert _checkpoint_steps(run_dir) == [2]
+    assert _sharded_components(find_checkpoint(run_dir), tmp_path)["counters"]["step"] == 2
     _torchrun(*cli, "--resume")
-    assert not (run_dir / ".checkpoint.dcp.tmp").exists()
+    assert _history(run_dir) == ["latest", f"step-{STEPS:08d}"]  # the leftover is gone
     assert_bitwise_equal(_final_state(continuous["fsdp"], tmp_path),
                          _final_state(run_dir, tmp_path))
     steps = [json.loads(line).get("step") for line in
@@ -163,9 +202,11 @@ def test_another_world_size_resumes_only_when_allowed(parallel, continuous, conf
     assert len(changed) == 1 and changed[0]["step"] == STEPS
     assert changed[0]["changes"]["data_parallel.world_size"]["saved"] == 2
     assert [e["step"] for e in events if e["event"] == "train"][-2:] == [STEPS + 1, STEPS + 2]
-    # One process writes the single-file form and drops the sharded one it resumed from.
-    assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "checkpoint.dcp").exists()
-    assert read_payload(run_dir / "checkpoint.pt")["counters"]["step"] == STEPS + 2
+    # One process writes the single-file form, and the (sharded) one it resumed from is
+    # pruned from the history.
+    assert _history(run_dir) == ["latest", f"step-{STEPS + 2:08d}"]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "latest").iterdir()) == ["k3.ckpt"]
+    assert read_payload(latest_checkpoint(run_dir))["counters"]["step"] == STEPS + 2
 
 
 def test_an_expert_parallel_run_resumes_in_another_layout_and_evaluates_in_one_process(
@@ -208,7 +249,9 @@ def test_an_expert_parallel_run_resumes_in_another_layout_and_evaluates_in_one_p
                      data_dir, "--max-steps", STEPS + 1, "--expert-parallel", 1,
                      "--allow-runtime-change")
     assert alone.returncode == 0, alone.stderr[-3000:]
-    assert read_payload(alone_dir / "checkpoint.pt")["counters"]["step"] == STEPS + 1
+    assert _history(alone_dir) == ["latest", f"step-{STEPS + 1:08d}"]
+    assert not (alone_dir / "checkpoints" / "latest" / ".metadata").exists()
+    assert read_payload(latest_checkpoint(alone_dir))["counters"]["step"] == STEPS + 1
 
 
 def test_inspect_reads_a_sharded_checkpoint_and_verifies_every_shard(continuous, tmp_path):
@@ -226,11 +269,13 @@ def test_inspect_reads_a_sharded_checkpoint_and_verifies_every_shard(continuous,
     val_loss = float(evaluated.stdout.split("val_loss ")[1].split(",")[0].split()[0])
     assert val_loss == pytest.approx(logged["val_loss"], abs=6e-5)  # printed to 4 decimals
     assert f"({logged['val_tokens']:,} tokens in " in evaluated.stdout
-    shard = next((run_dir / "checkpoint.dcp").glob("__1_*.distcp"))
+    folder = find_checkpoint(run_dir)
+    assert folder == run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    shard = next(folder.glob("__1_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    corrupt = k3_train("inspect", run_dir / "checkpoint.dcp")
+    corrupt = k3_train("inspect", folder)
     assert corrupt.returncode == 2 and shard.name in corrupt.stderr
     refused = k3_train("train", "--run-dir", run_dir, "--resume", "--max-steps", STEPS + 1,
                        "--device", "cpu", "--allow-runtime-change")
@@ -250,8 +295,15 @@ def test_a_stateful_callback_is_saved_restored_bitwise_and_rolled_back(parallel,
     continuous = _worker(tmp_path / "continuous", data_dir, parallel, "--ema")
     _worker(tmp_path / "first", data_dir, parallel, "--ema", "--steps", half,
             "--decay-steps", STEPS, "--checkpoint", checkpoint)
-    saved = read_payload(checkpoint / "k3.ckpt" if parallel == "fsdp" else checkpoint)
+    if parallel == "fsdp":  # a library path under FSDP2: a symlink to the sharded folder
+        assert checkpoint.is_symlink() and (checkpoint / ".metadata").is_file()
+        index = read_payload(checkpoint / "k3.ckpt")["shards"]
+        assert "callbacks.ema" in index["components"]
+        saved = _sharded_components(checkpoint, tmp_path)
+    else:
+        saved = read_payload(checkpoint)
     assert set(saved["callbacks"]["ema"]) == set(continuous[0]["ema"])
+    assert saved["counters"]["step"] == half
     resumed = _worker(tmp_path / "resumed", data_dir, parallel, "--ema", "--resume", checkpoint)
     for rank in range(2):
         assert_bitwise_equal(continuous[rank]["ema"], resumed[rank]["ema"], f"rank {rank} ema")
@@ -294,6 +346,7 @@ def test_a_failed_checkpoint_write_stops_every_rank(parallel, config, tmp_path, 
     assert "Traceback" not in "\n".join(line for line in failed.stderr.splitlines()
                                         if line.startswith("[rank"))
     assert find_checkpoint(run_dir) is None
+    assert _history(run_dir) == []  # the failed write's staging folder is removed
 
 
 def test_a_two_node_torchrun_launch_trains_the_same_run(continuous, config, tmp_path, data_dir):

@@ -3,7 +3,8 @@
 untouched), and by the library without changing the model, optimizer, loader cursors or
 any RNG.
 
-Each hostile file replaces ``checkpoint.pt`` of a copy of a healthy run at step 2. The
+Each hostile file replaces the latest checkpoint file (``checkpoints/latest/k3.ckpt``) of a
+copy of a healthy run at step 2. The
 forged ones carry a valid trailer and checksum (see ``harness.forge``), so they reach the
 checks behind the integrity layer; the ``intact`` case forges the healthy payload
 unchanged and must resume, which shows that every refusal comes from the damage.
@@ -27,6 +28,7 @@ from harness import (
     assert_one_line_error,
     forge,
     k3_train,
+    latest_checkpoint,
     moved,
     state_fingerprint,
     toml_text,
@@ -63,12 +65,12 @@ def base(tmp_path_factory, data_dir, small_toml) -> Base:
         config = root / f"{name}.toml"
         config.write_text(toml_text(model={**NARROW_TINY_OVERRIDES, **model}))
         _run(root / name, data_dir, config)
-        foreign[name] = root / name / "checkpoint.pt"
+        foreign[name] = latest_checkpoint(root / name)
     text = root / "other.txt"
     text.write_text("A different corpus, so a different manifest. " * 800)
     prepare_dataset([text], root / "other-data")
     _run(root / "data-manifest", root / "other-data", small_toml)
-    foreign["data-manifest"] = root / "data-manifest" / "checkpoint.pt"
+    foreign["data-manifest"] = latest_checkpoint(root / "data-manifest")
     return Base(root / "base", foreign, root / "pwned", data_dir)
 
 
@@ -201,8 +203,8 @@ CASES = {
 
 def _hostile_run(base: Base, tmp_path: Path, case: str) -> Path:
     run = tmp_path / case
-    shutil.copytree(base.run, run)
-    CASES[case][0](base, run / "checkpoint.pt")
+    shutil.copytree(base.run, run, symlinks=True)
+    CASES[case][0](base, latest_checkpoint(run))
     return run
 
 
@@ -216,7 +218,7 @@ def test_cli_resume_refuses_in_one_line_and_touches_nothing(base, tmp_path, case
     assert not base.marker.exists(), "a pickle ran code"
     match = CASES[case][1]
     if match is None:
-        assert code == 0 and read_payload(run / "checkpoint.pt")["counters"]["step"] == 4
+        assert code == 0 and read_payload(latest_checkpoint(run))["counters"]["step"] == 4
         return
     assert code == 2, err
     assert len(err) == 1 and err[0].startswith("k3-train: error:") and match in err[0], err
@@ -226,7 +228,7 @@ def test_cli_resume_refuses_in_one_line_and_touches_nothing(base, tmp_path, case
 @pytest.mark.parametrize("case", list(CASES))
 def test_library_load_refuses_without_mutation(base, tmp_path, case):
     run = _hostile_run(base, tmp_path, case)
-    saved = read_payload(base.run / "checkpoint.pt")
+    saved = read_payload(latest_checkpoint(base.run))
     config = TrainConfig.from_dict({**saved["train_config"], "max_steps": 4})
     live = moved(config, base.data_dir, K3Config.from_dict(saved["model_config"]))
     model, optimizer, train_loader, val_loader = live
@@ -234,13 +236,13 @@ def test_library_load_refuses_without_mutation(base, tmp_path, case):
     match = CASES[case][1]
     if match is None:
         trainer = Trainer(model, optimizer, (train_loader, val_loader), config)
-        trainer.resume(run / "checkpoint.pt")
+        trainer.resume(latest_checkpoint(run))
         assert trainer.state.step == 2
         assert state_fingerprint(model, optimizer, [train_loader, val_loader]) != before
         return
     with pytest.raises(CheckpointError) as refused:
         Trainer(model, optimizer, (train_loader, val_loader), config).resume(
-            run / "checkpoint.pt")
+            latest_checkpoint(run))
     assert match in str(refused.value) and "\n" not in str(refused.value)
     assert not base.marker.exists(), "a pickle ran code"
     assert state_fingerprint(model, optimizer, [train_loader, val_loader]) == before
@@ -250,7 +252,7 @@ def test_a_different_thread_count_is_refused(base, tmp_path):
     """The runtime signature records torch's intra-op thread count (it changes CPU
     reduction order, so bitwise continuation needs the same one)."""
     run = tmp_path / "threads"
-    shutil.copytree(base.run, run)
+    shutil.copytree(base.run, run, symlinks=True)
     before = tree_bytes(run)
     threads = torch.get_num_threads()  # what the healthy run was saved under
     # OMP_NUM_THREADS, as a user would change it (torch caps it at the core count, so go
@@ -267,7 +269,7 @@ def test_a_different_thread_count_is_refused(base, tmp_path):
                                        f"current {current}", code=2)
         assert tree_bytes(run) == before
 
-    saved = read_payload(run / "checkpoint.pt")
+    saved = read_payload(latest_checkpoint(run))
     config = TrainConfig.from_dict({**saved["train_config"], "max_steps": 4})
     model, optimizer, train_loader, val_loader = moved(
         config, base.data_dir, K3Config.from_dict(saved["model_config"]))
@@ -276,7 +278,7 @@ def test_a_different_thread_count_is_refused(base, tmp_path):
     try:
         with pytest.raises(CheckpointError, match=r"runtime\.num_threads"):
             Trainer(model, optimizer, (train_loader, val_loader), config).resume(
-                run / "checkpoint.pt")
+                latest_checkpoint(run))
     finally:
         torch.set_num_threads(threads)
     assert state_fingerprint(model, optimizer, [train_loader, val_loader]) == before_fp
@@ -290,5 +292,5 @@ def test_the_real_command_refuses_a_corrupt_checkpoint_without_traceback(base, t
     assert_one_line_error(resumed, "checksum mismatch", code=2)
     assert tree_bytes(run) == before
     inspect = subprocess.run([sys.executable, "-m", "k3_trainer.cli", "inspect",
-                              str(run / "checkpoint.pt")], capture_output=True, text=True)
+                              str(latest_checkpoint(run))], capture_output=True, text=True)
     assert_one_line_error(inspect, "checksum mismatch", code=2)

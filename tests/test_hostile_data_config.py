@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from harness import BASE_TRAIN, toml_text, tree_bytes
+from harness import BASE_TRAIN, latest_checkpoint, toml_text, tree_bytes
 
 from k3_checkpoint import read_payload
 from k3_trainer import (
@@ -199,13 +199,16 @@ INVALID_VALUES = [
     ("qk_clip_tau", -30.0), ("qk_clip_gqa", "all"), ("seed", -1),
     ("activation_checkpointing", "layer"), ("activation_checkpointing", "full"),
     ("decay_fraction", 0.0), ("decay_fraction", 1.5), ("decay_shape", "exp"),
-    ("eval_tokens", 0),
+    ("eval_tokens", 0), ("keep_last", 0), ("keep_last", -2), ("keep_every", 0),
+    ("keep_every", -5),
 ]
 WRONG_TYPES = [
     ("batch_size", 4.0), ("batch_size", True), ("batch_size", "4"), ("max_steps", 1.5),
     ("peak_lr", "3e-3"), ("peak_lr", True), ("muon_nesterov", 1), ("qk_clip_enabled", "yes"),
     ("overfit_batch", None), ("precision", 16), ("warmup_steps", 2.5), ("seed", None),
-    ("compile", "yes"), ("compile", 1),
+    ("compile", "yes"), ("compile", 1), ("async_checkpoint", "yes"), ("async_checkpoint", 1),
+    ("keep_last", 1.5), ("keep_last", True), ("keep_last", None), ("keep_every", "10"),
+    ("keep_every", 2.0),
 ]
 
 
@@ -344,7 +347,7 @@ def test_bad_command_lines_are_refused(tmp_path, data_dir, small_toml, finished_
 
 def test_bad_resumes_leave_the_run_untouched(tmp_path, finished_run, capsys):
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+    shutil.copytree(finished_run, run, symlinks=True)
     before = tree_bytes(run)
     resume = ["train", "--run-dir", run, "--resume"]
     cases = [
@@ -370,7 +373,7 @@ def test_bad_resumes_leave_the_run_untouched(tmp_path, finished_run, capsys):
 ])
 def test_a_damaged_run_record_is_refused(tmp_path, finished_run, capsys, damage, match):
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+    shutil.copytree(finished_run, run, symlinks=True)
     record = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(damage(record))
     before = tree_bytes(run)
@@ -385,7 +388,7 @@ def test_resuming_a_complete_run_succeeds_with_nothing_to_do(tmp_path, finished_
     """A supervisor that restarts with --resume until success (a requeued job, a shell
     `until` loop) must terminate: a complete run is a success, in one line, untouched."""
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+    shutil.copytree(finished_run, run, symlinks=True)
     before = tree_bytes(run)
     assert main(["train", "--run-dir", str(run), "--resume"]) == 0
     out = capsys.readouterr()
@@ -394,13 +397,20 @@ def test_resuming_a_complete_run_succeeds_with_nothing_to_do(tmp_path, finished_
     assert tree_bytes(run) == before
 
 
+@pytest.mark.parametrize("left", ["nothing", "staging"])
 def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(
-        tmp_path, finished_run, capsys):
+        tmp_path, finished_run, capsys, left):
     """run.json and metrics.jsonl but no checkpoint (killed or failed before the first
-    save): --resume has nothing to lose, so it starts the recorded run from scratch."""
+    save, which may have left its hidden staging folder): --resume has nothing to lose, so
+    it starts the recorded run from scratch."""
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
-    (run / "checkpoint.pt").unlink()
+    shutil.copytree(finished_run, run, symlinks=True)
+    shutil.rmtree(run / "checkpoints")  # the run's every checkpoint
+    if left == "staging":  # killed half-way through writing its first checkpoint
+        staged = run / "checkpoints" / ".step-00000002.tmp"
+        staged.mkdir(parents=True)
+        (staged / "k3.ckpt.tmp").write_bytes(
+            latest_checkpoint(finished_run).read_bytes()[:1000])
     metrics = run / "metrics.jsonl"  # killed before its first save: no checkpoint event
     metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
                                if '"event": "checkpoint"' not in line))
@@ -414,19 +424,24 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(
     events = read_events(run / "metrics.jsonl")
     starts = [e for e in events if e["event"] == "session_start"]
     assert len(starts) == 1 and starts[0]["step"] == 0  # the dead session's events are gone
-    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 2
-    fresh = read_payload(finished_run / "checkpoint.pt")
+    assert read_payload(latest_checkpoint(run))["counters"]["step"] == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest",
+                                                                      "step-00000002"]
+    fresh = read_payload(latest_checkpoint(finished_run))
     for key, tensor in fresh["model"].items():  # the recorded recipe, bitwise
-        assert torch.equal(tensor, read_payload(run / "checkpoint.pt")["model"][key]), key
+        assert torch.equal(tensor, read_payload(latest_checkpoint(run))["model"][key]), key
 
 
+@pytest.mark.parametrize("removed", ["history", "step"])
 def test_resume_refuses_a_run_whose_recorded_checkpoint_is_missing(tmp_path, finished_run,
-                                                                   capsys):
-    """metrics.jsonl says a checkpoint was saved: a missing one was moved or deleted, and
-    starting over would throw the run away (and its metrics.jsonl with it)."""
+                                                                   capsys, removed):
+    """metrics.jsonl says a checkpoint was saved: a missing one was moved or deleted (the
+    whole history, or the step folder ``latest`` names), and starting over would throw the
+    run away (and its metrics.jsonl with it)."""
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
-    (run / "checkpoint.pt").unlink()
+    shutil.copytree(finished_run, run, symlinks=True)
+    shutil.rmtree(run / ("checkpoints" if removed == "history"
+                         else "checkpoints/step-00000002"))
     before = tree_bytes(run)
     code, err = _cli(["train", "--run-dir", run, "--resume"], capsys)
     _assert_refused(code, err, "records a checkpoint saved at step 2, but")
@@ -446,7 +461,7 @@ def test_resume_of_an_absent_or_empty_run_directory_starts_the_run(tmp_path, dat
                       small_toml, "--max-steps", 2], capsys)
     assert code == 0, err
     assert err[0] == f"k3-train: {run} holds no run yet; nothing to resume, so the run starts"
-    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 2
+    assert read_payload(latest_checkpoint(run))["counters"]["step"] == 2
 
 
 def test_a_resume_on_other_data_names_both_folders(tmp_path, data_dir, finished_run, capsys):
@@ -455,7 +470,7 @@ def test_a_resume_on_other_data_names_both_folders(tmp_path, data_dir, finished_
     text.write_text("other data " * 3000)
     prepare_dataset([text], other)
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+    shutil.copytree(finished_run, run, symlinks=True)
     code, err = _cli(["train", "--run-dir", run, "--resume", "--data", other, "--max-steps", 4],
                      capsys)
     _assert_refused(code, err, f"--data {other} belongs to different data than the run")
@@ -472,7 +487,7 @@ def test_other_data_of_a_larger_vocabulary_is_named_as_other_data(tmp_path, fini
     other = tmp_path / "bpe"
     prepare_dataset([text], other, PrepareOptions(train_tokenizer=400))
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+    shutil.copytree(finished_run, run, symlinks=True)
     code, err = _cli(["train", "--run-dir", run, "--resume", "--data", other, "--max-steps", 4],
                      capsys)
     _assert_refused(code, err, f"--data {other} belongs to different data than the run")

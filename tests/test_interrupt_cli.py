@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import assert_bitwise_equal, k3_train, subprocess_env
+import torch
+from harness import assert_bitwise_equal, k3_train, latest_checkpoint, subprocess_env
 from test_distributed_training import distributed, needs_torchrun
 
 from k3_checkpoint import read_payload
@@ -62,7 +63,7 @@ def test_a_signal_saves_and_the_resume_is_bitwise(tmp_path, data_dir, small_toml
     stopped = _interrupt(command, run, signum)
     lines = [line for line in stopped.stderr.splitlines() if line.startswith("k3-train")]
     assert stopped.returncode == status, stopped.stderr[-3000:]
-    step = read_payload(run / "checkpoint.pt")["counters"]["step"]
+    step = read_payload(latest_checkpoint(run))["counters"]["step"]
     assert 2 <= step < STEPS
     assert lines[-1] == (f"k3-train: interrupted at step {step}; checkpoint saved; "
                          "continue with --resume")
@@ -71,8 +72,8 @@ def test_a_signal_saves_and_the_resume_is_bitwise(tmp_path, data_dir, small_toml
 
     resumed = k3_train("train", "--run-dir", run, "--resume", *_flags(data_dir, small_toml))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_bitwise_equal(read_payload(reference / "checkpoint.pt"),
-                         read_payload(run / "checkpoint.pt"))
+    assert_bitwise_equal(read_payload(latest_checkpoint(reference)),
+                         read_payload(latest_checkpoint(run)))
 
 
 def test_an_interrupt_before_training_names_no_checkpoint(tmp_path, data_dir, small_toml,
@@ -118,14 +119,14 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
     rank1 = _rank_pid(process.pid, rank=1)
     subprocess.run(["kill", "-TERM", str(rank1)], check=True)
     out, err = process.communicate(timeout=300)
-    step = read_payload(run / "checkpoint.pt")["counters"]["step"]
+    step = read_payload(latest_checkpoint(run))["counters"]["step"]
     assert f"interrupted at step {step}; checkpoint saved" in err, err[-3000:]
     ends = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "session_end"]
     assert ends[-1]["step"] == step and ends[-1]["interrupted"] == "SIGTERM"
     resumed = k3_train("train", "--run-dir", run, "--resume", *flags, "--nproc", 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_bitwise_equal(read_payload(reference / "checkpoint.pt"),
-                         read_payload(run / "checkpoint.pt"))
+    assert_bitwise_equal(read_payload(latest_checkpoint(reference)),
+                         read_payload(latest_checkpoint(run)))
 
 
 @distributed
@@ -152,8 +153,21 @@ def test_ctrl_c_on_a_nproc_launch_saves_and_exits_130(tmp_path, data_dir, small_
     os.killpg(process.pid, signal.SIGINT)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 130, err[-3000:]
-    step = read_payload(run / "checkpoint.dcp" / "k3.ckpt")["counters"]["step"]
+    # The sharded checkpoint keeps its counters in DCP: read them back through DCP's own
+    # converter, and check them against the folder's name and the logged checkpoint event.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    latest = run / "checkpoints" / "latest"
+    assert latest.is_symlink() and (latest / ".metadata").is_file(), sorted(
+        p.name for p in (run / "checkpoints").iterdir())
+    dcp_to_torch_save(latest, tmp_path / "gathered.pt")
+    step = torch.load(tmp_path / "gathered.pt", weights_only=True)["counters"]["step"]
     assert 2 <= step < 400
+    assert os.readlink(latest) == f"step-{step:08d}"
+    saved = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "checkpoint"]
+    assert saved[-1]["step"] == step
+    assert read_payload(latest / "k3.ckpt")["data_parallel"] == {
+        "mode": "fsdp", "world_size": 2, "expert_parallel": 2}
     assert f"k3-train[rank 0]: interrupted at step {step}; checkpoint saved" in err
     assert "KeyboardInterrupt" not in err  # the launcher waited for its ranks
 

@@ -4,10 +4,13 @@ uninterrupted run. No session ever reads a ``.tmp`` or a partial file.
 
 One CLI run (``--checkpoint-interval 1``, so most moments are near a checkpoint write) is
 killed with SIGKILL again and again and resumed with ``--resume`` each time: at random
-(seeded) moments of startup and training, and at three moments inside a checkpoint write
-(half the payload written; the ``.tmp`` complete but not renamed; renamed but the directory
-not yet fsynced). The sessions run through ``cli_driver.py``, the CLI's own ``main`` plus an
-audit hook that logs every open of a checkpoint file and the test-only kill points.
+(seeded) moments of startup and training, and at moments inside a checkpoint write (half
+the payload written; the ``.tmp`` complete but not renamed; the step folder complete but
+``latest`` not moved; published but the directory not yet fsynced). Some sessions write
+their checkpoints in the background (``--async-checkpoint``): their kills land while a
+write runs on the worker thread and training goes on. The sessions run through
+``cli_driver.py``, the CLI's own ``main`` plus an audit hook that logs every open of a
+checkpoint file and the test-only kill points.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,23 +26,27 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import DRIVER, assert_bitwise_equal, k3_train, subprocess_env
+from harness import DRIVER, assert_bitwise_equal, k3_train, latest_checkpoint, subprocess_env
 
 from k3_checkpoint import CheckpointError, read_payload
 from k3_trainer import read_events
 from k3_trainer.cli import main
 
 STEPS = 80
-KILL_PLAN = [
-    ("startup", None),  # before or while the first session starts: nothing to resume yet
-    ("write", "mid-payload:1"),  # inside the very first checkpoint write: still nothing
-    *[("training", None)] * 2,
-    ("write", "before-rename:2"),
-    ("startup", None),  # while a resumed session loads its checkpoint
-    ("write", "mid-payload:3"),
-    ("write", "after-rename:2"),
-    ("training", None),
+KILL_PLAN = [  # (moment, kill point, background saves)
+    ("startup", None, False),  # before or while the first session starts: nothing to resume
+    ("write", "mid-payload:1", False),  # inside the very first checkpoint write: still nothing
+    *[("training", None, False)] * 2,
+    ("write", "before-rename:2", False),
+    ("write", "mid-payload:2", True),  # a background write cut short while training runs
+    ("startup", None, False),  # while a resumed session loads its checkpoint
+    ("write", "mid-payload:3", False),
+    ("write", "before-latest:2", True),  # written in the background, latest not yet moved
+    ("training", None, True),
+    ("write", "after-rename:2", False),
+    ("training", None, False),
 ]
+FINAL = re.compile(r".*/checkpoints/step-\d{8}(\.\d+)?/k3\.ckpt")
 
 
 def _flags(data_dir, config) -> list[str]:
@@ -52,6 +60,20 @@ def _session_starts(run: Path) -> list[dict]:
     if not metrics.exists():
         return []
     return [e for e in read_events(metrics) if e["event"] == "session_start"]
+
+
+def _latest(run: Path) -> Path | None:
+    link = run / "checkpoints" / "latest"
+    return latest_checkpoint(run) if link.is_symlink() else None
+
+
+def _staged(run: Path) -> dict[str, int]:
+    """The hidden folders of checkpoint writes under way, with their files' newest mtime."""
+    found = {}
+    for folder in (run / "checkpoints").glob(".step-*.tmp"):
+        times = [p.stat().st_mtime_ns for p in folder.iterdir()] or [0]
+        found[folder.name] = max(times)
+    return found
 
 
 def _wait_for_training(process: subprocess.Popen, run: Path, starts_before: int) -> bool:
@@ -72,14 +94,14 @@ def test_kill_9_torture_ends_bitwise_equal_to_the_uninterrupted_run(tmp_path, da
     assert main(["train", "--run-dir", str(reference), *_flags(data_dir, small_toml)]) == 0
 
     run, log = tmp_path / "run", tmp_path / "opens.log"
-    checkpoint, tmp = run / "checkpoint.pt", run / "checkpoint.pt.tmp"
     chance = random.Random(20250601)
-    kills = kills_in_write = fresh_restarts = 0
+    kills = kills_in_write = kills_in_background = fresh_restarts = 0
     resumed_steps: list[int] = []
     last_step = 0
     plan = list(KILL_PLAN)
     while True:
-        resume = checkpoint.is_file()
+        checkpoint = _latest(run)
+        resume = checkpoint is not None
         restart = not resume and (run / "run.json").is_file()
         if restart:
             # Killed before its first checkpoint: --resume has nothing to lose and starts
@@ -87,14 +109,15 @@ def test_kill_9_torture_ends_bitwise_equal_to_the_uninterrupted_run(tmp_path, da
             # supervisor just runs --resume again.
             fresh_restarts += 1
         step_before = read_payload(checkpoint)["counters"]["step"] if resume else 0
-        tmp_before = tmp.stat().st_mtime_ns if tmp.exists() else None
+        staged_before = _staged(run)
         starts_before = 0 if restart else len(_session_starts(run))
-        kind, point = plan.pop(0) if plan else ("finish", None)
+        kind, point, background = plan.pop(0) if plan else ("finish", None, False)
         env = subprocess_env({"K3_TEST_OPEN_LOG": str(log)})
         if point is not None:
             env["K3_TEST_KILL"] = point
         argv = ["--run-dir", str(run), "--resume"] if run_started(run) else [
             "--run-dir", str(run), *_flags(data_dir, small_toml)]
+        argv.append("--async-checkpoint" if background else "--no-async-checkpoint")
         process = subprocess.Popen([sys.executable, str(DRIVER), "train", *argv], env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True)
@@ -114,33 +137,41 @@ def test_kill_9_torture_ends_bitwise_equal_to_the_uninterrupted_run(tmp_path, da
             break
         assert process.returncode == -signal.SIGKILL, (kind, point, process.returncode, stderr)
         kills += 1
-        if tmp.exists() and tmp.stat().st_mtime_ns != tmp_before:
-            kills_in_write += 1  # this kill landed inside a checkpoint write
+        staged = _staged(run)
+        in_write = any(staged_before.get(name) != mtime for name, mtime in staged.items())
         if point is not None:
-            assert tmp.exists() or point.startswith("after-rename"), point
-        # Whatever the moment, checkpoint.pt is absent or a complete, verified checkpoint,
+            assert in_write or point.startswith(("after-rename", "before-latest")), point
+        kills_in_write += in_write or point is not None
+        kills_in_background += background and point is not None
+        # Whatever the moment, latest is absent or names a complete, verified checkpoint,
         # and it never goes back in time.
-        if checkpoint.exists():
+        checkpoint = _latest(run)
+        if checkpoint is not None:
             step = read_payload(checkpoint)["counters"]["step"]
             assert step >= last_step
             last_step = step
         new_starts = _session_starts(run)[starts_before:]
-        if resume and new_starts:  # the session resumed exactly where checkpoint.pt was
+        if resume and new_starts:  # the session resumed exactly where latest was
             assert new_starts[0]["step"] == step_before
             resumed_steps.append(step_before)
 
-    print(f"{kills} kills, {kills_in_write} inside a write; resumed at {resumed_steps}")
-    assert kills >= 8 and kills_in_write >= 3, (kills, kills_in_write)
+    print(f"{kills} kills, {kills_in_write} inside a write ({kills_in_background} in the "
+          f"background); resumed at {resumed_steps}")
+    assert kills >= 10 and kills_in_write >= 5, (kills, kills_in_write)
+    assert kills_in_background == 2
     assert fresh_restarts >= 1  # the kill inside the very first write
     assert len(resumed_steps) >= 3, resumed_steps
-    assert not tmp.exists()
+    assert not _staged(run)
 
-    final = read_payload(checkpoint)
+    final = read_payload(latest_checkpoint(run))
     assert final["counters"]["step"] == STEPS
-    assert_bitwise_equal(read_payload(reference / "checkpoint.pt"), final)
+    reference_final = read_payload(latest_checkpoint(reference))
+    for payload in (final, reference_final):  # how the last session saved: not the run
+        payload["train_config"].pop("async_checkpoint", None)
+    assert_bitwise_equal(reference_final, final)
 
-    # Never read a .tmp, never write checkpoint.pt in place: the final name is only ever
-    # produced by the rename of a complete, fsynced .tmp.
+    # Never read a .tmp, never write a checkpoint in place: a final name is only ever
+    # produced by the rename of a complete, fsynced .tmp inside a staging folder.
     opens = [line.split("\t") for line in log.read_text().splitlines()]
     assert opens
     for _pid, mode, flags, path in opens:
@@ -149,14 +180,14 @@ def test_kill_9_torture_ends_bitwise_equal_to_the_uninterrupted_run(tmp_path, da
         if path.endswith(".tmp"):
             assert writes, f"a .tmp was opened for reading: {path} {mode}"
         else:
-            assert path == str(checkpoint) and not writes, (path, mode)
+            assert FINAL.fullmatch(path) and not writes, (path, mode)
     for line in (run / "metrics.jsonl").read_text().splitlines():
         json.loads(line)  # no torn line, even with kills between events
 
 
 def run_started(run) -> bool:
     """A supervisor's rule: --resume once the run has a checkpoint or a run record."""
-    return (run / "checkpoint.pt").is_file() or (run / "run.json").is_file()
+    return (run / "checkpoints" / "latest").is_symlink() or (run / "run.json").is_file()
 
 
 def test_a_tmp_left_by_a_kill_is_never_a_checkpoint(tmp_path, data_dir, small_toml, capsys):
@@ -167,12 +198,13 @@ def test_a_tmp_left_by_a_kill_is_never_a_checkpoint(tmp_path, data_dir, small_to
                       "--max-steps", 3, "--checkpoint-interval", 1, driver=True,
                       env={"K3_TEST_KILL": "mid-payload:1"})
     assert killed.returncode == -signal.SIGKILL
-    leftover = run / "checkpoint.pt.tmp"
-    assert leftover.exists() and not (run / "checkpoint.pt").exists()
+    leftover = run / "checkpoints" / ".step-00000001.tmp" / "k3.ckpt.tmp"
+    assert leftover.exists() and sorted(p.name for p in leftover.parent.parent.iterdir()) == [
+        ".step-00000001.tmp"]
     with pytest.raises(CheckpointError, match=r"no k3-checkpoint trailer .* a save cut short"):
         read_payload(leftover)
     capsys.readouterr()
     assert main(["train", "--run-dir", str(run), "--resume"]) == 0  # nothing to lose: again
     assert "so the run starts from scratch" in capsys.readouterr().err
-    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 3
-    assert not leftover.exists()
+    assert read_payload(latest_checkpoint(run))["counters"]["step"] == 3
+    assert not leftover.parent.exists()

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from harness import Inject, assert_bitwise_equal, build_run, train_config
+from harness import Inject, assert_bitwise_equal, build_run, latest_checkpoint, train_config
 
 from k3_checkpoint import read_payload
 from k3_model import K3Model
@@ -72,17 +72,19 @@ def test_nan_loss_stops_the_cli_in_one_line_and_the_last_checkpoint_resumes(
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 1
     assert err == ["k3-train: training diverged: Non-finite training loss at step 4"]
-    assert not (run / "checkpoint.pt.tmp").exists()
+    # no .tmp left behind, and only the latest checkpoint kept (keep_last 1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest",
+                                                                      "step-00000003"]
     assert [e["step"] for e in read_events(run / "metrics.jsonl")
             if e["event"] == "checkpoint"] == [1, 2, 3]
-    saved = read_payload(run / "checkpoint.pt")
+    saved = read_payload(latest_checkpoint(run))
     assert saved["counters"]["step"] == 3
 
     monkeypatch.undo()  # the fault is gone: resume the failed run, and run a clean one
     assert main(["train", "--run-dir", str(run), "--resume"]) == 0
     assert main(["train", "--run-dir", str(clean), *flags, "--max-steps", "6"]) == 0
-    assert_bitwise_equal(read_payload(clean / "checkpoint.pt"),
-                         read_payload(run / "checkpoint.pt"))
+    assert_bitwise_equal(read_payload(latest_checkpoint(clean)),
+                         read_payload(latest_checkpoint(run)))
 
 
 def test_nan_loss_names_its_step_and_leaves_a_loadable_checkpoint(tmp_path, data_dir):

@@ -360,6 +360,6 @@ def test_wheels_install_and_work_outside_the_workspace(dist: Path, tmp_path: Pat
     record = json.loads((outside / "run" / "run.json").read_text())
     assert {name: record["sessions"][-1]["versions"][name] for name in PACKAGES} == dict.fromkeys(
         PACKAGES, VERSION)
-    summary = _run([k3_train, "inspect", outside / "run" / "checkpoint.pt"],
+    summary = _run([k3_train, "inspect", outside / "run" / "checkpoints" / "latest" / "k3.ckpt"],
                    cwd=outside, env=env).stdout
     assert "step=5" in summary

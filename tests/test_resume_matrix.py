@@ -22,6 +22,7 @@ from harness import (
     assert_bitwise_equal,
     build_run,
     k3_train,
+    latest_checkpoint,
     seed_all,
     toml_text,
     train_config,
@@ -82,13 +83,13 @@ def test_cli_resume_is_bitwise_equal_to_a_continuous_run(row, tmp_path, data_dir
     assert _main("train", "--run-dir", continuous, *common, "--max-steps", steps) == 0
     assert _main("train", "--run-dir", interrupted, *common, "--max-steps", cuts[0]) == 0
     for cut in [*cuts[1:], steps]:
-        assert read_payload(interrupted / "checkpoint.pt")["counters"]["step"] < cut
+        assert read_payload(latest_checkpoint(interrupted))["counters"]["step"] < cut
         # A resumed session names nothing but the run: config, model and data come from it.
         resumed = k3_train("train", "--run-dir", interrupted, "--resume", "--max-steps", cut)
         assert resumed.returncode == 0, resumed.stderr
 
-    a = read_payload(continuous / "checkpoint.pt")
-    b = read_payload(interrupted / "checkpoint.pt")
+    a = read_payload(latest_checkpoint(continuous))
+    b = read_payload(latest_checkpoint(interrupted))
     assert a["counters"]["step"] == steps
     assert_bitwise_equal(a, b)  # model, optimizer, counters, loaders, RNG, configs, runtime
     _assert_same_trajectory(continuous, interrupted)
@@ -163,7 +164,7 @@ def test_cli_max_steps_raised_on_resume_keeps_the_schedule(tmp_path, data_dir, s
     assert _main("train", "--run-dir", continuous, *common, "--max-steps", 7,
                  "--warmup-steps", 0, "--decay-steps", 4) == 0
 
-    a, b = read_payload(continuous / "checkpoint.pt"), read_payload(short / "checkpoint.pt")
+    a, b = read_payload(latest_checkpoint(continuous)), read_payload(latest_checkpoint(short))
     assert a["counters"]["step"] == 7
     assert_bitwise_equal(a, b)
     _assert_same_trajectory(continuous, short)

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from harness import tree_bytes
+from harness import latest_checkpoint, tree_bytes
 
 from k3_checkpoint import read_payload
 from k3_trainer.cli import main
@@ -38,7 +38,7 @@ def other_thread_count(monkeypatch):
 def test_another_runtime_is_refused_by_default(tmp_path, two_steps, other_thread_count,
                                                capsys):
     run = tmp_path / "run"
-    shutil.copytree(two_steps, run)
+    shutil.copytree(two_steps, run, symlinks=True)
     before = tree_bytes(run)
     assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -56,7 +56,7 @@ def test_allow_runtime_change_continues_and_says_what_changed(tmp_path, two_step
                                                               other_thread_count, capsys):
     saved, current = other_thread_count
     run = tmp_path / "run"
-    shutil.copytree(two_steps, run)
+    shutil.copytree(two_steps, run, symlinks=True)
     assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "4",
                  "--allow-runtime-change"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
@@ -67,12 +67,12 @@ def test_allow_runtime_change_continues_and_says_what_changed(tmp_path, two_step
     changed = [e for e in events if e["event"] == "runtime_changed"]
     assert len(changed) == 1 and changed[0]["step"] == 2
     assert changed[0]["changes"] == {"num_threads": {"saved": saved, "current": current}}
-    assert read_payload(run / "checkpoint.pt")["counters"]["step"] == 4
+    assert read_payload(latest_checkpoint(run))["counters"]["step"] == 4
 
 
 def test_the_opt_in_does_not_relax_anything_else(tmp_path, two_steps, capsys):
     run = tmp_path / "run"
-    shutil.copytree(two_steps, run)
+    shutil.copytree(two_steps, run, symlinks=True)
     before = tree_bytes(run)
     assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "4",
                  "--allow-runtime-change", "--peak-lr", "0.5"]) == 2

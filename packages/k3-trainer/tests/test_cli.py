@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from trainer_helpers import small_toml
+from trainer_helpers import latest_checkpoint, small_toml
 
 from k3_checkpoint import read_payload
 from k3_trainer import read_manifest
@@ -37,7 +37,7 @@ def test_split_run_with_resume_equals_continuous_run(tmp_path, data_dir, config_
     assert _train(a, data_dir, config_file, "--max-steps", "6", "--checkpoint-interval", "2") == 0
     assert _train(b, data_dir, config_file, "--max-steps", "3") == 0
     assert main(["train", "--run-dir", str(b), "--resume", "--max-steps", "6"]) == 0
-    pa, pb = read_payload(a / "checkpoint.pt"), read_payload(b / "checkpoint.pt")
+    pa, pb = read_payload(latest_checkpoint(a)), read_payload(latest_checkpoint(b))
     assert pa["counters"] == pb["counters"] and pa["counters"]["step"] == 6
     for key, tensor in pa["model"].items():
         assert torch.equal(tensor, pb["model"][key]), key
@@ -84,13 +84,14 @@ def test_user_errors_are_one_line_without_traceback(tmp_path, data_dir, config_f
         assert len(err) == 1 and match in err[0] and err[0].startswith("k3-train: error:"), err
     assert not (tmp_path / "x").exists(), "a refused run must write nothing"
 
-    checkpoint = run / "checkpoint.pt"
+    checkpoint = latest_checkpoint(run)
     data = bytearray(checkpoint.read_bytes())
     data[len(data) // 2] ^= 0x01
     checkpoint.write_bytes(bytes(data))
     before = (run / "metrics.jsonl").read_text()
     code, err = _error(capsys, ["train", "--run-dir", str(run), "--resume", "--max-steps", "4"])
-    assert code == 2 and len(err) == 1 and "corrupt" in err[0] and "checkpoint.pt" in err[0]
+    assert code == 2 and len(err) == 1 and "corrupt" in err[0]
+    assert "checkpoints/step-00000002/k3.ckpt" in err[0], err
     assert (run / "metrics.jsonl").read_text() == before
 
 
@@ -102,7 +103,7 @@ def test_prepare_inspect_and_eval(tmp_path, data_dir, config_file, capsys):
     run = tmp_path / "run"
     assert _train(run, data_dir, config_file, "--max-steps", "2") == 0
     capsys.readouterr()
-    assert main(["inspect", str(run / "checkpoint.pt")]) == 0
+    assert main(["inspect", str(latest_checkpoint(run))]) == 0
     assert "step" in capsys.readouterr().out
     assert main(["eval", "--run-dir", str(run)]) == 0
     assert "val_loss" in capsys.readouterr().out

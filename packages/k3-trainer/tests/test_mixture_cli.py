@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from test_mixture import small_dir  # noqa: F401  (the module-scoped fixture)
+from trainer_helpers import latest_checkpoint
 
 from k3_checkpoint import read_payload
 from k3_trainer import read_events
@@ -41,7 +42,7 @@ def test_a_mixture_run_records_its_sources_and_resumes_bitwise(
     assert _run(capsys, ["train", "--run-dir", split, *mix, *RECIPE, "--max-steps", "3"])[0] == 0
     code, _, err = _run(capsys, ["train", "--run-dir", split, "--resume", "--max-steps", "6"])
     assert code == 0, err
-    ours, theirs = read_payload(whole / "checkpoint.pt"), read_payload(split / "checkpoint.pt")
+    ours, theirs = read_payload(latest_checkpoint(whole)), read_payload(latest_checkpoint(split))
     for name, value in ours["model"].items():
         assert torch.equal(value, theirs["model"][name]), name
     assert ours["loaders"] == theirs["loaders"]
@@ -125,13 +126,13 @@ def test_a_phase_of_a_run_on_one_dataset_continues_its_cursor_or_changes_its_dat
     run = tmp_path / "run"
     assert _run(capsys, ["train", "--run-dir", run, "--data", data_dir, *RECIPE,
                          "--max-steps", "2"])[0] == 0
-    before = read_payload(run / "checkpoint.pt")["loaders"]["train"]["offset"]
+    before = read_payload(latest_checkpoint(run))["loaders"]["train"]["offset"]
     code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume", "--phase", "decay",
                                  "--decay-steps", "4", "--decay-fraction", "0.5",
                                  "--max-steps", "3"])
     assert code == 0 and "it changes decay_steps" in err and "data" not in err.split(
         "it changes")[1].splitlines()[0], err
-    state = read_payload(run / "checkpoint.pt")["loaders"]["train"]
+    state = read_payload(latest_checkpoint(run))["loaders"]["train"]
     assert state["sources"]["data"]["offset"] == before + 2 * 16  # one more batch
     code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume", "--phase", "code",
                                  "--data", small_dir, "--max-steps", "4"])

@@ -11,6 +11,7 @@ from importlib.metadata import EntryPoint
 import pytest
 import torch
 from toy_model import SPEC, ToyConfig
+from trainer_helpers import latest_checkpoint
 
 from k3_checkpoint import read_payload
 from k3_trainer import Callback, ConfigError
@@ -43,7 +44,7 @@ def _run(capsys, argv):
 
 
 def _weights(run):
-    return read_payload(run / "checkpoint.pt")["model"]
+    return read_payload(latest_checkpoint(run))["model"]
 
 
 def test_a_registered_model_trains_resumes_evaluates_and_samples_through_the_command(

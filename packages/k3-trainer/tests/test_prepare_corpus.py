@@ -300,6 +300,12 @@ def test_a_tampered_tokenizer_is_refused_by_the_loader(jsonl_corpus, tmp_path):
         TokenDataLoader(data, "val", 2, 16)
 
 
+def _files(root):
+    """Every file under ``root`` (its relative path → its bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
 def test_a_tampered_tokenizer_refuses_the_resume(jsonl_corpus, tmp_path, capsys):
     data, run = tmp_path / "d", tmp_path / "run"
     prepare_dataset([jsonl_corpus], data, PrepareOptions(train_tokenizer=300))
@@ -311,10 +317,11 @@ def test_a_tampered_tokenizer_refuses_the_resume(jsonl_corpus, tmp_path, capsys)
     tokenizer = data / "tokenizer.json"
     tokenizer.chmod(0o644)
     tokenizer.write_text(tokenizer.read_text().replace("<|endoftext|>", "<|eot|>"))
-    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    before = _files(run)
+    assert "checkpoints/step-00000002/k3.ckpt" in before  # the checkpoint is compared too
     code, _, err = _cli(["train", "--run-dir", run, "--resume", "--max-steps", 4], capsys)
     assert code == 2 and len(err) == 1 and "tokenizer.json does not match" in err[0], err
-    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert _files(run) == before
 
 
 def test_an_old_format_dataset_asks_to_prepare_again(tmp_path):

@@ -1,9 +1,9 @@
-"""Sharded checkpoint folders in one process: atomic publication, strict validate-before-
-mutate loading, and the shard checksums. (Several ranks: tests/test_distributed_checkpoints.py.)"""
+"""Sharded checkpoint folders in one process: what a folder holds, strict validate-before-
+mutate loading, and the shard checksums. (Components, read-only loads, the previous layout
+and background writes: test_sharded_components.py; several ranks: tests/test_sharded_dcp.py
+and tests/test_distributed_checkpoints.py.)"""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -38,13 +38,18 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, counter: Counter) 
     counter.value += 1
 
 
-def _save(path, model, optimizer, counter, metadata=None) -> str:
-    return sharded.write_sharded(path, model, optimizer, {"counter": counter},
-                                 metadata or {"width": 8}, counter.value, None)
+def _states(model, optimizer, counter) -> dict:
+    return {"model": model, "optimizer": optimizer, "counter": counter}
 
 
-def _load(path, model, optimizer, counter, metadata=None):
-    return sharded.read_sharded(path, model, optimizer, {"counter": counter},
+def _save(folder, model, optimizer, counter, metadata=None) -> str:
+    folder.mkdir()
+    return sharded.write_sharded(folder, _states(model, optimizer, counter),
+                                 metadata or {"width": 8}, None)
+
+
+def _load(folder, model, optimizer, counter, metadata=None):
+    return sharded.read_sharded(folder, _states(model, optimizer, counter),
                                 metadata or {"width": 8}, CompatibilityPolicy(), None)
 
 
@@ -60,35 +65,51 @@ def _same(a, b) -> bool:
 
 @pytest.fixture
 def saved(tmp_path):
-    """A model after 2 steps, saved at step 1 and step 2."""
+    """A model after 2 steps, saved at step 1 and step 2 (each into its own folder)."""
     model, optimizer, counter = _run()
-    path = tmp_path / "checkpoint.dcp"
     _step(model, optimizer, counter)
-    _save(path, model, optimizer, counter)
+    _save(tmp_path / "step-1", model, optimizer, counter)
     _step(model, optimizer, counter)
+    path = tmp_path / "step-2"
     digest = _save(path, model, optimizer, counter)
     return path, (model, optimizer, counter), digest
 
 
-def test_each_save_is_published_by_one_rename_and_the_previous_one_dropped(saved):
+def test_a_folder_holds_every_component_in_the_shards_and_its_index_in_k3_ckpt(saved):
     path, _, digest = saved
-    assert path.is_symlink() and os.readlink(path) == "checkpoint.dcp.step-00000002"
-    assert sorted(p.name for p in path.parent.iterdir()) == [
-        "checkpoint.dcp", "checkpoint.dcp.step-00000002"]
     assert {p.name for p in path.iterdir()} == {".metadata", "__0_0.distcp", "k3.ckpt"}
-    assert k3_checkpoint.read_payload(path / "k3.ckpt")["shards"]["files"].keys() == {
-        ".metadata", "__0_0.distcp"}
+    payload = k3_checkpoint.read_payload(path / "k3.ckpt")
+    index = payload["shards"]
+    assert index["files"].keys() == {".metadata", "__0_0.distcp"}
+    assert index["components"] == ["counter", "model", "optimizer"]
+    assert index["optimizers"]["optimizer"]["type"] == "torch.optim.adamw.AdamW"
+    assert index["structure"] == {"counter": {"value": None}}
+    assert "counter" not in payload and payload["width"] == 8  # the counter is in the shards
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert "counter.value" in keys and "model.0.weight" in keys
     assert len(digest) == 32  # XXH3-128 of k3.ckpt, hex
+    assert sharded.is_sharded(path)
 
 
-def test_a_load_restores_weights_optimizer_components_and_rng_bitwise(saved):
+def test_a_folder_without_dcp_metadata_is_not_sharded(tmp_path):
+    """A history step folder holding k3.ckpt alone is a single-file checkpoint."""
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "k3.ckpt").write_bytes(b"")
+    assert not sharded.is_sharded(tmp_path / "step")
+    assert not sharded.is_sharded(tmp_path / "absent")
+
+
+def test_a_load_restores_weights_optimizer_components_and_rng_bitwise(saved, tmp_path):
     path, (model, optimizer, counter), digest = saved
     expected_draw = (torch.manual_seed(123), torch.rand(3))[1]
     torch.manual_seed(123)
-    _save(path, model, optimizer, counter)  # RNG state of this moment is in the checkpoint
+    again = tmp_path / "again"
+    _save(again, model, optimizer, counter)  # RNG state of this moment is in the checkpoint
     fresh = _run(seed=1)
     torch.manual_seed(999)
-    loaded = _load(path, *fresh)
+    loaded = _load(again, *fresh)
     assert torch.equal(torch.rand(3), expected_draw)  # RNG restored last
     assert loaded.digest != digest and fresh[2].value == 2
     for (name, a), b in zip(model.state_dict().items(), fresh[0].state_dict().values()):
@@ -96,6 +117,7 @@ def test_a_load_restores_weights_optimizer_components_and_rng_bitwise(saved):
     for key, entry in optimizer.state_dict()["state"].items():
         for field, value in entry.items():
             assert torch.equal(value, fresh[1].state_dict()["state"][key][field]), (key, field)
+    assert fresh[1].param_groups[0]["lr"] == 1e-2
     # The resumed pair takes the same next step as the original.
     torch.manual_seed(5)
     _step(model, optimizer, counter)
@@ -104,26 +126,18 @@ def test_a_load_restores_weights_optimizer_components_and_rng_bitwise(saved):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh[0].parameters()))
 
 
-def test_a_publication_that_fails_leaves_the_previous_checkpoint(saved, monkeypatch):
-    path, (model, optimizer, counter), _ = saved
-    before = k3_checkpoint.read_payload(path / "k3.ckpt")["counter"]
+def test_a_write_that_fails_raises_the_os_error(tmp_path, monkeypatch):
+    model, optimizer, counter = _run()
     _step(model, optimizer, counter)
-    real_replace = os.replace
 
-    def failing(source, destination):
-        if str(destination).endswith("checkpoint.dcp"):
-            raise OSError(28, "No space left on device")
-        return real_replace(source, destination)
+    def full(path):
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sharded.os, "replace", failing)
-    with pytest.raises(OSError, match="No space"):
-        _save(path, model, optimizer, counter)
-    monkeypatch.undo()
-    assert k3_checkpoint.read_payload(path / "k3.ckpt")["counter"] == before
-    _load(path, *_run(seed=1))  # still a complete, loadable checkpoint
-    _save(path, model, optimizer, counter)  # the next save clears the leftovers
-    assert sorted(p.name for p in path.parent.iterdir()) == [
-        "checkpoint.dcp", "checkpoint.dcp.step-00000003"]
+    monkeypatch.setattr(k3_checkpoint, "file_checksum", full)
+    with pytest.raises(OSError, match="No space") as raised:
+        _save(tmp_path / "step", model, optimizer, counter)
+    assert raised.value.errno == 28
+    assert not (tmp_path / "step" / "k3.ckpt").exists()  # the index is written last
 
 
 def _flip_a_byte(path) -> None:
@@ -162,51 +176,36 @@ def test_another_model_or_metadata_is_refused_with_nothing_changed(saved):
     assert not fresh[1].state
 
 
+def test_another_optimizer_is_refused_with_nothing_changed(saved):
+    path = saved[0]
+    model, _, counter = _run(seed=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _snapshot(model, sgd, counter)
+    with pytest.raises(CheckpointError, match=r"optimizer class: checkpoint torch\.optim\.adamw"):
+        _load(path, model, sgd, counter)
+    assert _same(before, _snapshot(model, sgd, counter))
+
+
+def test_a_step_limit_reads_the_saved_step_from_the_shards(saved):
+    """The saved step lives in a component's state, inside the shards: a budget below it is
+    refused with nothing changed, one at or above it resumes."""
+    path = saved[0]  # the counter is at 2
+    policy = CompatibilityPolicy(may_differ=frozenset({"max_steps"}),
+                                 step_limit=("max_steps", "counter.value"))
+    fresh = _run(seed=1)
+    before = _snapshot(*fresh)
+    with pytest.raises(CheckpointError, match=r"max_steps 1 is smaller than the checkpoint's "
+                                              r"counter\.value 2"):
+        sharded.read_sharded(path, _states(*fresh), {"width": 8, "max_steps": 1}, policy, None)
+    assert _same(before, _snapshot(*fresh)) and not fresh[1].state
+    sharded.read_sharded(path, _states(*fresh), {"width": 8, "max_steps": 2}, policy, None)
+    assert fresh[2].value == 2
+
+
 def test_inspect_describes_the_folder(saved):
     lines = sharded.describe_sharded(saved[0])
     assert lines[0].startswith("checkpoint ") and "every checksum verified" in lines[1]
     assert any(line.startswith("counter ") and "value=2" in line for line in lines)
-
-
-def test_a_run_directory_names_its_newest_checkpoint_in_either_form(saved, tmp_path):
-    """Both forms exist only after a crash between publishing one and deleting the other:
-    the newer one is the run's checkpoint; a leftover staging folder never is."""
-    from k3_trainer.checkpoint import find_checkpoint
-
-    path = saved[0]
-    run_dir = path.parent
-    assert find_checkpoint(run_dir) == path
-    (run_dir / ".checkpoint.dcp.tmp").mkdir()
-    single = run_dir / "checkpoint.pt"
-    single.write_bytes(b"newer")
-    assert find_checkpoint(run_dir) == single
-    os.utime(single, (1, 1))  # now older than the folder's k3.ckpt
-    assert find_checkpoint(run_dir) == path
-    path.unlink()  # the symlink gone: only the file is left
-    assert find_checkpoint(run_dir) == single
-    assert find_checkpoint(tmp_path / "nothing") is None
-
-
-def test_saving_the_published_step_again_never_removes_the_live_checkpoint(saved):
-    path, (model, optimizer, counter), _ = saved
-    live = path.resolve()
-    _save(path, model, optimizer, counter)  # step 2 again
-    assert path.resolve().name == "checkpoint.dcp.step-00000002.again"
-    assert not live.exists()  # the old folder goes only once the new one is published
-    _load(path, *_run(seed=1))
-
-
-def test_a_symlink_to_a_folder_this_module_did_not_write_is_never_deleted(saved, tmp_path):
-    """A user who points checkpoint.dcp at a checkpoint kept elsewhere (an absolute link)
-    resumes from it; the next save replaces the link and leaves that folder alone."""
-    path, (model, optimizer, counter), _ = saved
-    elsewhere = tmp_path / "kept" / "my-checkpoint"
-    elsewhere.parent.mkdir()
-    os.rename(path.resolve(), elsewhere)
-    path.unlink()
-    os.symlink(elsewhere, path)
-    _load(path, *_run(seed=1))
-    _step(model, optimizer, counter)
-    _save(path, model, optimizer, counter)
-    assert os.readlink(path) == "checkpoint.dcp.step-00000003"
-    assert (elsewhere / "k3.ckpt").is_file()  # untouched
+    assert any(line.startswith("model ") and "of tensors (sharded)" in line for line in lines)
+    assert any(line.startswith("width ") for line in lines)
+    assert not any(line.startswith(("shards ", "components ")) for line in lines)

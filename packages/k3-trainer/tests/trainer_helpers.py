@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +53,15 @@ def cli_run(root, data_dir, toml_text: str, steps: int):
     assert main(["train", "--run-dir", str(root / "run"), "--data", str(data_dir), "--config",
                  str(root / "c.toml"), "--max-steps", str(steps)]) == 0
     return root / "run"
+
+
+def latest_checkpoint(run_dir) -> Path:
+    """The run directory's latest checkpoint file, ``checkpoints/latest/k3.ckpt`` (``latest``
+    a symlink naming a ``step-NNNNNNNN`` folder beside it)."""
+    link = Path(run_dir) / "checkpoints" / "latest"
+    assert link.is_symlink(), f"{link} is not the symlink of a checkpoint history"
+    assert os.readlink(link).startswith("step-"), os.readlink(link)
+    return link / "k3.ckpt"
 
 
 def train_config(**overrides) -> TrainConfig:

@@ -92,6 +92,13 @@ class TrainConfig:
     """Steps between validation evaluations."""
     checkpoint_interval: int = 100
     """Steps between checkpoints (one is also written at the end and on Ctrl-C)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background: training stops only while the state is copied;
+    the write, checksum and fsync run on a worker thread (one in flight at a time)."""
+    keep_last: int = 1
+    """Checkpoints the run's history keeps: the newest N (1: the latest only)."""
+    keep_every: int | None = None
+    """Also keep each checkpoint whose step is a multiple of K (milestones, never pruned)."""
     eval_batches: int | None = None
     """Validation batches per evaluation, from the start of the split (unset: the whole
     split, up to eval_tokens)."""
@@ -131,11 +138,12 @@ class TrainConfig:
                 object.__setattr__(self, "warmup_steps", min(20, self.decay_steps // 10))
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
                      "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
-                     "decay_steps", "expert_parallel", "eval_tokens"):
+                     "decay_steps", "expert_parallel", "eval_tokens", "keep_last"):
             _positive_int(self, name)
         _int(self, "warmup_steps", low=0)
-        if self.eval_batches is not None:
-            _positive_int(self, "eval_batches")
+        for name in ("eval_batches", "keep_every"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name)
         _int(self, "seed", low=0)
         for name in ("peak_lr", "qk_clip_tau"):
             _number(self, name, low=0.0, low_open=True)
@@ -144,7 +152,8 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
             _number(self, name, low=0.0, high=1.0)
         _number(self, "min_lr_ratio", low=0.0, high=1.0, high_closed=True)
-        for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch", "compile"):
+        for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch", "compile",
+                     "async_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, allowed in choices(TrainConfig).items():
@@ -213,7 +222,8 @@ class TrainConfig:
 
 
 LATER_FIELDS: dict[str, Any] = {"decay_fraction": 0.2, "decay_shape": "1-sqrt",
-                                "eval_tokens": 1_000_000}
+                                "eval_tokens": 1_000_000, "async_checkpoint": False,
+                                "keep_last": 1, "keep_every": None}
 """Fields added after 0.1.0 with their defaults (which keep an earlier run's meaning)."""
 
 

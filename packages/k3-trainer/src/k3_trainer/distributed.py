@@ -148,14 +148,16 @@ class Parallel:
         """The mean of ``loss`` over the ranks and the largest stop signal any rank has
         received (0: none), in the one collective and the one host read that the
         finite-loss check makes anyway. Each rank adds a one-hot of its signal beside its
-        loss, so the sums say which signals arrived anywhere, whatever their mix."""
+        loss, so the sums say which signals arrived anywhere, whatever their mix. ``signum``
+        may be ``signal.NSIG``, one past every real signal: the trainer's "a background
+        checkpoint write failed", which outranks them all."""
         values = torch.zeros(1 + signal.NSIG, dtype=torch.float32, device=loss.device)
         values[0] = loss.detach().float()
         if signum:
             values[signum] = 1.0
         summed = self.sum_(values).tolist()
         return summed[0] / self.world_size, max(
-            (number for number in range(1, signal.NSIG) if summed[number]), default=0)
+            (number for number in range(1, signal.NSIG + 1) if summed[number]), default=0)
 
     def sum_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,7 +25,20 @@ import torch
 from k3_qkclip import QKClip
 
 from .callbacks import Callback, Callbacks
-from .checkpoint import TRAINER_POLICY, Checkpointer, Resumed, qk_clip_policy, run_metadata
+from .checkpoint import (
+    TRAINER_POLICY,
+    BackgroundWriter,
+    Checkpointer,
+    CheckpointHistory,
+    CheckpointStore,
+    CheckpointWriteError,
+    FixedPath,
+    Resumed,
+    Written,
+    qk_clip_policy,
+    run_metadata,
+)
+from .checkpoint.agreement import raise_on_every_rank
 from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
 from .contract import ModelContract, check_model
@@ -45,6 +59,9 @@ from .schedule import learning_rate_at_step
 from .state import ScalerState, TrainState
 
 MAX_CONSECUTIVE_SKIPS = 32
+WRITE_FAILED = signal.NSIG
+"""The stop code every rank agrees on, as on a signal, when a background checkpoint write
+failed on one (beyond any signal number, so it wins the ranks' max)."""
 Batch = tuple[torch.Tensor, torch.Tensor]  # as data.protocol's
 
 logger = logging.getLogger(__name__)
@@ -72,8 +89,13 @@ class Trainer:
     """A training run: model, optimizer, loaders, config and parallel setup, held together.
 
     ``model`` is the unwrapped model (or the FSDP2-sharded one); under DDP the forward runs
-    on ``parallel.module``. ``checkpoint_path`` (None: never saved) is rewritten atomically
-    on checkpoint steps; :attr:`checkpointer` also resumes from it. ``callbacks`` observe
+    on ``parallel.module``. ``checkpoint_path`` (None: never saved) is where checkpoint
+    steps save: a path, rewritten atomically, or a
+    :class:`~k3_trainer.checkpoint.CheckpointHistory` (a folder per step, a ``latest``
+    pointer, old ones pruned); :attr:`checkpointer` also resumes. With
+    ``config.async_checkpoint`` a save only copies the state, and the write runs on a worker
+    thread while training goes on (one in flight; a failed write stops the run at the next
+    boundary, raising :class:`~k3_trainer.checkpoint.CheckpointWriteError`). ``callbacks`` observe
     the run (:class:`~k3_trainer.Callback`); a stateful one is checkpointed with the rest.
     ``grad_scaler`` replaces the precision's scaler; it must fit the precision (enabled for
     fp16 only), except :class:`~k3_trainer.FP16SkipHarness`, the named way to exercise the
@@ -88,7 +110,8 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loaders: tuple[BatchLoader, BatchLoader], config: TrainConfig, *,
-                 parallel: Parallel | None = None, checkpoint_path: str | Path | None = None,
+                 parallel: Parallel | None = None,
+                 checkpoint_path: str | Path | CheckpointStore | None = None,
                  callbacks: Iterable[Callback] = (),
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
         self.contract: ModelContract = check_model(model)
@@ -120,7 +143,17 @@ class Trainer:
         if config.overfit_batch:
             train = self.loaders.train
             self.state.fixed_batch_limit = train.num_tokens - train.tokens_per_batch - 1
-        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path is not None else None
+        sharded = parallel is not None and parallel.mode == "fsdp"
+        self.store: CheckpointStore | None = (
+            FixedPath(checkpoint_path, sharded) if isinstance(checkpoint_path, (str, Path))
+            else checkpoint_path)
+        self.checkpoint_path: Path | None = (
+            None if self.store is None else getattr(self.store, "path", None)
+            or getattr(self.store, "root", None))
+        """Where the last checkpoint went (before any: the path or the history's folder)."""
+        self.background = BackgroundWriter()
+        self._write_failure: BaseException | None = None
+        self._held_bytes = 0
         self._stop_signal: int | None = None
         self._agreed_stop = 0  # the largest signal any rank had, as of the last loss reduce
         self._saved_step: int | None = None
@@ -148,10 +181,25 @@ class Trainer:
         :attr:`state` then holds the saved counters. ``new_phase``: this run starts a new
         phase, whose decay (``lr_schedule``, ``decay_steps``, ``decay_fraction``,
         ``decay_shape``, ``min_lr_ratio``) may differ from the checkpoint's; its loaders say
-        themselves whether they take another data's cursors (``MixtureLoader(adopt=True)``)."""
+        themselves whether they take another data's cursors (``MixtureLoader(adopt=True)``).
+
+        Resuming from a checkpoint of this trainer's history continues the run from it:
+        the checkpoints written after it move to ``superseded-N/`` (see
+        :meth:`CheckpointHistory.continue_from`)."""
         resumed = self.checkpointer.load(path, allow_runtime_change=allow_runtime_change,
                                          new_phase=new_phase)
         self._fixed_batch = None  # reread at the restored offset
+        history = self.store if isinstance(self.store, CheckpointHistory) else None
+        if history is not None and resumed.path is not None and \
+                resumed.path.parent.resolve() == history.root.resolve():
+            failure = None
+            if self.parallel is None or self.parallel.is_main:
+                try:
+                    history.continue_from(resumed.path)
+                except OSError as error:
+                    failure = error
+            raise_on_every_rank(self.parallel, failure,
+                                "rank 0 could not reorganize the checkpoint history")
         return resumed
 
     @property
@@ -176,7 +224,6 @@ class Trainer:
         self.window.reset(None)
         qk_reduce = self.parallel.max_ if self.parallel is not None else None
         compile_clock = CompileClock()
-        consecutive_skips = 0
         with self.profiler, self.moe, compile_clock, \
                 QKClip(self.model, qk_clip_policy(config), reduce_max=qk_reduce) as qk_clip:
             self._event("session_start", step=self.state.step,
@@ -184,22 +231,22 @@ class Trainer:
                         precision=config.precision, device=str(self.device),
                         compile=config.compile,
                         activation_checkpointing=config.activation_checkpointing)
-            stop = None
-            while self.state.step < config.max_steps and stop is None:
-                attempt = self._attempt(qk_clip)
-                if attempt.skipped:
-                    consecutive_skips += 1
-                    self._skipped(attempt, consecutive_skips)
-                else:
-                    consecutive_skips = 0
-                    self._succeeded(attempt)
-                    self._boundary()
-                stop = self._stop_requested()
-            if stop is None and self.parallel is not None:
-                stop = self._stop_agreed_at_the_end()
-            if stop is not None and self.checkpoint_path is not None and \
-                    self._saved_step != self.state.step:
-                self.save_checkpoint()
+            failure: BaseException | None
+            try:
+                stop = self._train(qk_clip)
+            except CheckpointWriteError as error:  # a save failed (its own or the last one)
+                self._drain_writes()
+                stop, failure = None, error
+            except BaseException:
+                self._drain_writes()  # the save in flight still lands; the error goes on
+                raise
+            else:
+                failure = self._collect_write(wait=True, agree=True, raise_=False)
+        if failure is not None:
+            self._event("session_end", step=self.state.step,
+                        tokens_seen=self.state.tokens_seen, checkpoint_failed=str(failure))
+            self._stop_signal, self._agreed_stop = None, 0
+            raise failure
         self._event("session_end", step=self.state.step, tokens_seen=self.state.tokens_seen,
                     skipped_updates=self.state.skipped_updates,
                     compile_s=(None if compile_clock.seconds is None
@@ -210,6 +257,29 @@ class Trainer:
             self._stop_signal, self._agreed_stop = None, 0  # spent: a later fit() trains on
             raise TrainingInterrupted(self.state.step, stop, self.checkpoint_path)
         return self.state
+
+    def _train(self, qk_clip: QKClip) -> int | None:
+        """Updates until the last step or a stop every rank agreed on (returned; saved
+        there, unless it is a failed checkpoint write's)."""
+        config = self.config
+        consecutive_skips = 0
+        stop = None
+        while self.state.step < config.max_steps and stop is None:
+            attempt = self._attempt(qk_clip)
+            if attempt.skipped:
+                consecutive_skips += 1
+                self._skipped(attempt, consecutive_skips)
+            else:
+                consecutive_skips = 0
+                self._succeeded(attempt)
+                self._boundary()
+            stop = self._stop_requested()
+        if stop is None and self.parallel is not None:
+            stop = self._stop_agreed_at_the_end()
+        if stop is not None and stop != WRITE_FAILED and self.store is not None and \
+                self._saved_step != self.state.step:
+            self.save_checkpoint()
+        return None if stop == WRITE_FAILED else stop
 
     def request_stop(self, signum: int = signal.SIGINT) -> None:
         """Stop at the next update boundary: ``fit()`` finishes the attempt under way,
@@ -335,8 +405,10 @@ class Trainer:
             self.log_window()
         if final or step % config.eval_interval == 0:
             self.evaluate()
-        if self.checkpoint_path is not None and (final or step % config.checkpoint_interval == 0):
+        if self.store is not None and (final or step % config.checkpoint_interval == 0):
             self.save_checkpoint()
+        elif self.background.in_flight:
+            self._collect_write(wait=False, agree=False)
 
     def log_window(self) -> None:
         """Report the log window's summary (``train`` event) and start a new window."""
@@ -364,15 +436,73 @@ class Trainer:
                     val_tokens=result.tokens, tokens_seen=self.state.tokens_seen, **by_source)
 
     def save_checkpoint(self) -> str:
-        """Write the checkpoint at this update boundary (``checkpoint`` event); returns its
-        digest."""
-        assert self.checkpoint_path is not None, "this trainer has no checkpoint_path"
+        """Write the checkpoint at this update boundary; returns its digest (``""`` when it
+        is written in the background: its ``checkpoint`` event carries the digest once it
+        is durable). A write still in flight is waited for first (its failure raised on
+        every rank)."""
+        assert self.store is not None, "this trainer has no checkpoint_path"
+        self._collect_write(wait=True, agree=True)
+        step = self.state.step
         with self.profiler.region("checkpoint"):
-            digest = self.checkpointer.save(self.checkpoint_path, step=self.state.step)
-        self._saved_step = self.state.step
-        self._event("checkpoint", step=self.state.step, path=str(self.checkpoint_path),
-                    digest=digest)
+            start = time.perf_counter()
+            if self.config.async_checkpoint:
+                started = self.checkpointer.start(self.store, step)
+                self.background.submit(step, started.work, time.perf_counter() - start)
+                self._held_bytes = started.nbytes
+                digest = ""
+            else:
+                digest, path = self.checkpointer.write(self.store, step)
+                self._written(Written(step, path, digest, time.perf_counter() - start, 0.0))
+        self._saved_step = step
         return digest
+
+    def _written(self, written: Written) -> None:
+        """A checkpoint is durable and published: the ``checkpoint`` event."""
+        if written.path is not None:
+            self.checkpoint_path = written.path
+        background = {"background": True, "write_s": round(written.write_s, 4),
+                      "held_bytes": self._held_bytes} if self.config.async_checkpoint else {}
+        self._event("checkpoint", step=written.step, path=str(self.checkpoint_path),
+                    digest=written.digest, blocked_s=round(written.blocked_s, 4),
+                    **background)
+
+    def _collect_write(self, *, wait: bool, agree: bool,
+                       raise_: bool = True) -> BaseException | None:
+        """Collect the background write if it finished (``wait``: once it has).
+
+        A failure is kept: without ``agree`` it asks every rank to stop at the next
+        boundary (as a signal would); with ``agree`` (called on every rank at the same
+        step) every rank raises it, a rank without one saying another rank's write
+        failed (``raise_=False`` returns it instead)."""
+        failure, self._write_failure = self._write_failure, None
+        if failure is None:
+            try:
+                written = self.background.wait() if wait else self.background.poll()
+            except Exception as error:  # kept, and raised at a step every rank agrees on
+                failure = error
+            else:
+                if written is not None:
+                    self._written(written)
+        if not agree:
+            if failure is not None:
+                self._write_failure = failure
+                self._stop_signal = WRITE_FAILED
+            return None
+        if self.parallel is not None and self.parallel.any(failure is not None) \
+                and failure is None:
+            failure = CheckpointWriteError(self.checkpoint_path or ".", OSError(
+                0, "another rank's checkpoint write failed (see its error line)"))
+        if failure is not None and raise_:
+            raise failure
+        return failure
+
+    def _drain_writes(self) -> None:
+        """Training failed: let the write in flight finish (its own failure only logged,
+        the training error is the one to report)."""
+        self._collect_write(wait=True, agree=False)
+        if self._write_failure is not None:
+            logger.error("the background checkpoint write failed too: %s", self._write_failure)
+            self._write_failure = None
 
     # --- helpers ---------------------------------------------------------------------------
 

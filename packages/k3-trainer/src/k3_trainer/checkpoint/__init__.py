@@ -1,15 +1,20 @@
 """Checkpoints of a run: the ``Checkpointer`` (one file or a sharded folder, the resume
-gate, the rollback every rank agrees on), where a run's checkpoint lives, and the policy
-a resume is judged by."""
+gate, the rollback every rank agrees on), saves written in the background, a run's
+history of checkpoints, and the policy a resume is judged by."""
 
+from .background import BackgroundWriter, Written
 from .checkpointer import Checkpointer, Resumed
 from .files import (
     CHECKPOINT,
     SHARDED_CHECKPOINT,
+    CheckpointStore,
     CheckpointWriteError,
-    checkpoint_path,
+    FixedPath,
+    RunHistory,
     find_checkpoint,
+    run_history,
 )
+from .history import HISTORY, LATEST, CheckpointHistory
 from .policy import (
     PORTABLE_RUNTIME,
     READ_ONLY,
@@ -21,16 +26,24 @@ from .policy import (
 
 __all__ = [
     "CHECKPOINT",
+    "HISTORY",
+    "LATEST",
     "PORTABLE_RUNTIME",
     "READ_ONLY",
     "SHARDED_CHECKPOINT",
     "TRAINER_POLICY",
+    "BackgroundWriter",
+    "CheckpointHistory",
+    "CheckpointStore",
     "CheckpointWriteError",
     "Checkpointer",
+    "FixedPath",
     "Resumed",
-    "checkpoint_path",
+    "RunHistory",
+    "Written",
     "find_checkpoint",
     "qk_clip_policy",
     "relaxed",
+    "run_history",
     "run_metadata",
 ]

@@ -1,55 +1,173 @@
-"""Where a run's checkpoint lives, in which form, and what a failed write says.
+"""Where a run's checkpoints live, in which form, and what a failed write says.
 
-One process and DDP write one format-7 file (``checkpoint.pt``); FSDP2 writes a sharded
-folder (``checkpoint.dcp``, see :mod:`k3_trainer.checkpoint.sharded`). A run directory
-holds one of the two; after a session with another layout published its form, the other
-is removed.
+A run directory keeps its checkpoints in ``checkpoints/`` (:mod:`.history`): one folder
+per saved step holding ``k3.ckpt`` (one process or DDP: the whole format-7 checkpoint;
+FSDP2: beside DCP's shards, see :mod:`.sharded`) and a ``latest`` pointer. Runs written
+before the history kept one checkpoint, ``checkpoint.pt`` or the sharded
+``checkpoint.dcp``; they still resume, and their first save into the history removes it.
+
+A library run may instead name one path (``Trainer(checkpoint_path="ckpt.pt")``):
+:class:`FixedPath` rewrites it atomically, a file, or under FSDP2 a symlink to a sharded
+folder swapped by one rename.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+from typing import Protocol
 
-from ..distributed import Parallel
-from .sharded import owned_target
+import k3_checkpoint
+
+from .history import HISTORY, META, CheckpointHistory
 
 CHECKPOINT = "checkpoint.pt"
-"""A run's checkpoint, one format-7 file: one process, or DDP (written by rank 0)."""
+"""A run's one checkpoint before the history (one process or DDP)."""
 SHARDED_CHECKPOINT = "checkpoint.dcp"
-"""A run's checkpoint under FSDP2: a sharded folder (:mod:`k3_trainer.checkpoint.sharded`)."""
+"""A run's one checkpoint before the history under FSDP2: a symlink to a sharded folder."""
 
 
-def checkpoint_path(run_dir: Path, parallel: Parallel | None) -> Path:
-    """Where this run writes its checkpoint: a sharded folder under FSDP2, else a file."""
-    sharded = parallel is not None and parallel.mode == "fsdp"
-    return run_dir / (SHARDED_CHECKPOINT if sharded else CHECKPOINT)
+class CheckpointStore(Protocol):
+    """Where a trainer's checkpoints go: ``staging`` is the path a step's checkpoint is
+    written to (a file, or a folder that gets ``k3.ckpt`` and any shards), which ``stage``
+    prepares (on the main rank); ``publish``, once it is written and durable, makes it the
+    one a resume finds, and returns it; ``discard`` removes a failed write's leftovers;
+    ``describe`` gives what a failure names: the checkpoint's path and the previous one
+    (None: there is none)."""
+
+    def staging(self, step: int) -> Path: ...
+
+    def stage(self, step: int) -> Path: ...
+
+    def publish(self, staged: Path, step: int) -> Path: ...
+
+    def discard(self, staged: Path) -> None: ...
+
+    def describe(self, step: int) -> tuple[Path, Path | None]: ...
+
+
+class FixedPath:
+    """One checkpoint at ``path``, replaced atomically by every save."""
+
+    def __init__(self, path: str | os.PathLike[str], sharded: bool) -> None:
+        self.path, self.sharded = Path(path), sharded
+
+    def staging(self, step: int) -> Path:
+        if not self.sharded:
+            return self.path  # k3_checkpoint writes beside it and renames over it
+        return self.path.with_name(f".{self.path.name}.tmp")
+
+    def stage(self, step: int) -> Path:
+        staging = self.staging(step)
+        if not self.sharded:
+            return staging
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        return staging
+
+    def publish(self, staged: Path, step: int) -> Path:
+        if staged != self.path:
+            _swap_symlink(staged, self.path, step)
+        return self.path
+
+    def discard(self, staged: Path) -> None:
+        if staged != self.path:  # a single file's .tmp is k3_checkpoint's to remove
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def describe(self, step: int) -> tuple[Path, Path | None]:
+        return self.path, self.path if self.path.exists() else None
+
+
+class RunHistory(CheckpointHistory):
+    """A run directory's history; its first save also removes the run's checkpoint from
+    before the history (``checkpoint.pt`` or ``checkpoint.dcp``), now older than it."""
+
+    def publish(self, staged: Path, step: int) -> Path:
+        final = super().publish(staged, step)
+        drop_single_checkpoint(self.root.parent)
+        return final
+
+
+def store_of(target: str | os.PathLike[str] | CheckpointStore, sharded: bool
+             ) -> CheckpointStore:
+    """A trainer's ``checkpoint_path``: a history (or any store) as it is, a path as one
+    checkpoint rewritten in place."""
+    if isinstance(target, (str, os.PathLike)):
+        return FixedPath(target, sharded)
+    return target
+
+
+def run_history(run_dir: Path, keep_last: int = 1, keep_every: int | None = None
+                ) -> RunHistory:
+    return RunHistory(run_dir / HISTORY, keep_last, keep_every)
 
 
 def find_checkpoint(run_dir: Path) -> Path | None:
-    """The run's latest checkpoint, in either form, or None. Both exist only when a crash
-    came between publishing one form and deleting the other: the newer one wins."""
+    """The run's latest checkpoint: the history's, else the one a run from before the
+    history kept (either form; if a crash left both, the newer), else None."""
+    latest = CheckpointHistory(run_dir / HISTORY).latest()
+    if latest is not None:
+        return latest
     found = [path for path in (run_dir / CHECKPOINT, run_dir / SHARDED_CHECKPOINT)
-             if path.is_file() or (path / "k3.ckpt").is_file()]
+             if path.is_file() or (path / META).is_file()]
     return max(found, key=_written_at, default=None)
 
 
+def checkpoint_file(path: Path) -> Path:
+    """The format-7 file of a checkpoint: the path itself, or a folder's ``k3.ckpt``."""
+    return path / META if path.is_dir() else path
+
+
 def _written_at(path: Path) -> float:
-    return (path / "k3.ckpt" if path.is_dir() else path).stat().st_mtime
+    return checkpoint_file(path).stat().st_mtime
 
 
-def drop_other_form(path: Path) -> None:
-    """After a checkpoint was published in one form, the run's checkpoint in the other form
-    (from a session with another parallel layout) is older: remove it."""
-    if path.name == CHECKPOINT:
-        other = path.with_name(SHARDED_CHECKPOINT)
-        if other.is_symlink():
-            target = owned_target(other)
-            other.unlink()
-            if target is not None:
-                shutil.rmtree(target, ignore_errors=True)
-    elif path.name == SHARDED_CHECKPOINT:
-        path.with_name(CHECKPOINT).unlink(missing_ok=True)
+def drop_single_checkpoint(run_dir: Path) -> None:
+    """Remove a run's checkpoint from before the history, in either form (the history now
+    holds a newer one)."""
+    (run_dir / CHECKPOINT).unlink(missing_ok=True)
+    link = run_dir / SHARDED_CHECKPOINT
+    if link.is_symlink():
+        target = owned_target(link)
+        link.unlink()
+        if target is not None:
+            shutil.rmtree(target, ignore_errors=True)
+
+
+def _swap_symlink(staging: Path, path: Path, step: int) -> None:
+    """Rename the written ``staging`` folder to its step name and point the symlink
+    ``path`` at it in one rename, then drop the folder it named before."""
+    if path.exists() and not path.is_symlink():
+        raise OSError(0, f"{path} exists and is not the symlink a sharded checkpoint keeps; "
+                         "move it away")
+    k3_checkpoint.fsync_directory(staging)
+    previous = owned_target(path)
+    final = path.with_name(f"{path.name}.step-{step:08d}")
+    if final == previous:  # the same step saved again: never touch the live checkpoint
+        final = final.with_name(f"{final.name}.again")
+    if final.exists():  # a killed session got this far before, never published
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    link = path.with_name(f".{path.name}.link")
+    link.unlink(missing_ok=True)
+    os.symlink(final.name, link)
+    k3_checkpoint.fsync_directory(path.parent)
+    os.replace(link, path)
+    k3_checkpoint.fsync_directory(path.parent)
+    if previous is not None and previous.exists():
+        shutil.rmtree(previous)
+
+
+def owned_target(path: Path) -> Path | None:
+    """The step folder the symlink ``path`` names, if it is one :class:`FixedPath` wrote (a
+    sibling called ``<name>.step-…``); None for anything else, which is never deleted."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.readlink(path))
+    if target.parent != Path(".") or not target.name.startswith(f"{path.name}.step-"):
+        return None
+    return path.parent / target
 
 
 class CheckpointWriteError(OSError):
@@ -59,9 +177,18 @@ class CheckpointWriteError(OSError):
     was one. An ``OSError`` with the original ``errno``; ``str()`` is one line.
     """
 
-    def __init__(self, path: str | Path, error: OSError) -> None:
-        previous = ("the previous checkpoint there is unchanged" if Path(path).exists()
-                    else "no checkpoint was written")
+    def __init__(self, path: str | Path, error: OSError,
+                 previous: str | Path | bool | None = True) -> None:
+        """``previous``: the checkpoint the failure left as it was (True: the one at
+        ``path``, if there is one; None: there is none)."""
+        if previous is True:
+            previous = path if Path(path).exists() else None
+        if previous is None or previous is False:
+            previous = "no checkpoint was written"
+        elif Path(previous) == Path(path):
+            previous = "the previous checkpoint there is unchanged"
+        else:
+            previous = f"the latest checkpoint, {previous}, is unchanged"
         reason = error.strerror or str(error)
         super().__init__(error.errno, f"cannot write checkpoint {path}: {reason}; {previous}")
 

@@ -3,7 +3,7 @@
 The metadata (train config, vocabulary, model config, QK-Clip policy and geometry, the
 data-parallel layout) is compared on resume under :data:`TRAINER_POLICY`; nothing of it is
 restored. ``allow_runtime_change`` relaxes the policy by :func:`relaxed`; commands that
-only read the weights (``eval``, ``sample``) use :data:`READ_ONLY`.
+only read the weights (``eval``, ``sample``, ``export``) use :data:`READ_ONLY`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ..contract import ModelContract
 from ..distributed import Parallel
 
 # Fields that may change on resume without touching the training trajectory: intervals
-# only decide when to log/evaluate/save, evaluation restores every RNG it touches, and
+# only decide when to log/evaluate/save, how a checkpoint is written and how many are kept
+# change no state, evaluation restores every RNG it touches, and
 # activation checkpointing recomputes bitwise what it drops (tested). max_steps may move
 # either way as long as it stays at or above the saved step (the step limit): the schedule,
 # including the cosine horizon, must be identical, and so must `compile` (its kernels round
@@ -27,7 +28,7 @@ from ..distributed import Parallel
 TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
     may_differ=frozenset(f"train_config.{name}" for name in (
         "max_steps", "log_interval", "eval_interval", "checkpoint_interval", "eval_batches",
-        "eval_tokens",
+        "eval_tokens", "async_checkpoint", "keep_last", "keep_every",
         "activation_checkpointing", "expert_parallel")),
     step_limit=("train_config.max_steps", "counters.step"),
 )
@@ -58,10 +59,6 @@ RUNTIME_METADATA = ("runtime", "rng", "data_parallel")
 reports: the runtime signature, CUDA generator states, and the data-parallel layout
 (another world size or mode; sharded checkpoints are resharded on load)."""
 
-_TRAINING_ONLY = frozenset({"optimizer", "optimizer_type", "optimizer_layout", "grad_scaler",
-                            "callbacks"})
-
-
 def relaxed(policy: k3_checkpoint.CompatibilityPolicy) -> k3_checkpoint.CompatibilityPolicy:
     """``policy`` that also accepts another portable runtime and data-parallel layout."""
     return k3_checkpoint.CompatibilityPolicy(
@@ -70,11 +67,11 @@ def relaxed(policy: k3_checkpoint.CompatibilityPolicy) -> k3_checkpoint.Compatib
         runtime_may_differ=policy.runtime_may_differ | PORTABLE_RUNTIME, check=policy.check)
 
 
-READ_ONLY = relaxed(k3_checkpoint.CompatibilityPolicy(
-    may_differ=TRAINER_POLICY.may_differ | _TRAINING_ONLY))
-"""For ``eval`` and ``sample``: the model, counters and loaders are checked and read as for
-a resume, under any portable runtime; the optimizer and the rest of the training state
-are neither built nor read."""
+READ_ONLY = relaxed(TRAINER_POLICY)
+"""For ``eval``, ``sample`` and ``export``: the metadata is compared as for a resume, under
+any portable runtime and data-parallel layout. Which components they read follows from
+what they ask for (a ``subset`` :class:`~k3_trainer.checkpoint.Checkpointer`): the
+optimizer and the rest of the training state are neither built nor read."""
 
 
 def qk_clip_policy(config: TrainConfig) -> QKClipPolicy:

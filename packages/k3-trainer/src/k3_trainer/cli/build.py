@@ -14,7 +14,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint import CHECKPOINT, READ_ONLY, Checkpointer, find_checkpoint, run_metadata
+from ..checkpoint import (
+    HISTORY,
+    LATEST,
+    READ_ONLY,
+    Checkpointer,
+    CheckpointHistory,
+    CheckpointStore,
+    find_checkpoint,
+    run_metadata,
+)
 from ..compiling import prepare_model
 from ..config import ConfigError, TrainConfig
 from ..contract import check_model
@@ -108,7 +117,7 @@ def build_model(spec: ModelSpec, model_config: Any, device: torch.device) -> nn.
 
 
 def build_trainer(plan: Plan, device: torch.device, parallel: Parallel | None,
-                  checkpoint: Path | None) -> Trainer:
+                  checkpoint: CheckpointStore | Path | None) -> Trainer:
     """Model, optimizer and loaders built from the plan, held by a ``Trainer`` (nothing
     written yet).
 
@@ -168,17 +177,17 @@ class Restored:
         return load_codec(self.data_dir, read_manifest(self.data_dir))
 
 
-def restore(run_dir: Path, data: Path | None, device: torch.device) -> Restored:
+def restore(run_dir: Path, data: Path | None, device: torch.device,
+            step: int | None = None) -> Restored:
     """The run's model rebuilt from its run.json with its weights, counters and loader
-    cursors read from the checkpoint, for commands that continue no training (eval,
-    sample, export): no optimizer is built, a sharded checkpoint is read into this one
-    process, another runtime (threads, torch version, device) is accepted, and everything
-    else is validated as strictly as for a resume. The loaders read the run's global batch
-    (every rank's rows), so validation measures the same tokens as the run's logged one."""
+    cursors read from its latest checkpoint (``step``: the one of that step), for commands
+    that continue no training (eval, sample, export): only those components are read (no
+    optimizer is built), a sharded checkpoint is read into this one process, another
+    runtime (threads, torch version, device) is accepted, and the metadata is validated as
+    strictly as for a resume. The loaders read the run's global batch (every rank's rows),
+    so validation measures the same tokens as the run's logged one."""
     record = read_record(run_dir)
-    found = find_checkpoint(run_dir)
-    if found is None:
-        raise RunError(f"{run_dir / CHECKPOINT} not found: {run_dir} has no checkpoint")
+    found = checkpoint_at(run_dir, step)
     spec = get_model_spec(recorded_model(record))
     config = train_config_from(record["train_config"], {}, {})
     world = _recorded_world_size(record)
@@ -191,8 +200,30 @@ def restore(run_dir: Path, data: Path | None, device: torch.device) -> Restored:
     state = TrainState()
     states = {"model": model, "counters": state,
               "loaders": {"train": data_loaders[0], "val": data_loaders[1]}}
-    Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY).load(found)
+    Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY,
+                 subset=True).load(found)
     return Restored(spec, model, model_config, config, state, data_loaders, data_dir)
+
+
+def checkpoint_at(run_dir: Path, step: int | None) -> Path:
+    """The run's latest checkpoint, or (``step``) the one its history kept for that step;
+    ``RunError`` naming the steps it has when there is none."""
+    own = (run_dir / LATEST).is_symlink()  # a history folder itself
+    history = CheckpointHistory(run_dir if own else run_dir / HISTORY)
+    if step is None:
+        found = history.latest() if own else find_checkpoint(run_dir)
+        if found is None:
+            raise RunError(f"{run_dir} has no checkpoint ({run_dir / HISTORY} is empty or "
+                           "missing): train it first")
+        return found
+    at = history.at_step(step)
+    if at is None:
+        kept = history.steps()
+        listed = (f"it keeps steps {', '.join(map(str, kept))}" if kept
+                  else "it holds no checkpoint history")
+        raise RunError(f"--step {step}: {run_dir} has no checkpoint of step {step}; {listed} "
+                       "(train with --keep-last N or --keep-every K to keep more)")
+    return at
 
 
 def _recorded_world_size(record: dict[str, Any]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from ..config import ConfigError
 from ..evaluation import evaluate_split
 from .build import parse_device, pretrained, restore
 from .options import EvalCommand
@@ -15,10 +16,12 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
     ``all``: the whole split), with the number of tokens it measured."""
     device = parse_device(command.device)
     if command.model is not None:
+        if command.step is not None:
+            raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
         run_ = pretrained(command.model, command.data, device)
     else:
         assert command.run_dir is not None  # argparse requires one of the two
-        run_ = restore(command.run_dir, command.data, device)
+        run_ = restore(command.run_dir, command.data, device, command.step)
     val = run_.loaders[1]
     parts = getattr(val, "sources", None) or {"": val}  # a mixture: each source to its end
     available = max((part.num_tokens - 1) // part.tokens_per_batch for part in parts.values())

@@ -9,7 +9,7 @@ from .options import ExportCommand
 
 
 def run(command: ExportCommand, notes: tuple[str, ...] = ()) -> int:
-    run_ = restore(command.run_dir, command.data, parse_device(command.device))
+    run_ = restore(command.run_dir, command.data, parse_device(command.device), command.step)
     codec = run_.codec()
     written = export_model(run_.model.cpu(), run_.spec, codec, command.out,
                            max_seq_len=run_.max_seq_len, dtype=command.dtype,

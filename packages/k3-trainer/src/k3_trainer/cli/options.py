@@ -30,6 +30,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a step number (0 or more), got {text!r}")
+    return value
+
+
 def probability(text: str) -> float:
     try:
         value = float(text)
@@ -92,8 +102,13 @@ class TrainCommand:
     Linear/K3 model's): continued pretraining; its config.json is the model, so model flags
     may only set how it computes (e.g. --kda-chunk-size)"""
     resume: bool = False
-    """continue from RUN_DIR's checkpoint (checkpoint.pt, or the sharded checkpoint.dcp of
-    FSDP2; strictly validated)"""
+    """continue from RUN_DIR's latest checkpoint (RUN_DIR/checkpoints/latest; strictly
+    validated)"""
+    resume_from: Path | None = option(None, metavar="PATH")
+    """continue RUN_DIR from an older checkpoint of it (e.g.
+    RUN_DIR/checkpoints/step-00000200) as a new branch: the checkpoints after it move to
+    checkpoints/superseded-N/, its later metrics stay in metrics.jsonl marked superseded,
+    and run.json records the branch"""
     preset: str | None = None
     """model preset, the starting point of the model flags below (default: the model's, or
     the config file's preset)"""
@@ -129,6 +144,9 @@ class TrainCommand:
 class EvalCommand:
     run_dir: Path | None = option(None, group="source", group_required=True)
     """the run to evaluate"""
+    step: int | None = option(None, parse=non_negative_int, metavar="N")
+    """read the run's checkpoint of step N (one its history kept: --keep-last,
+    --keep-every) instead of the latest"""
     model: Path | None = option(None, metavar="DIR", group="source")
     """a hub folder to evaluate instead (k3-train export's; needs --data prepared with its
     tokenizer)"""
@@ -146,6 +164,9 @@ class EvalCommand:
 class SampleCommand:
     run_dir: Path | None = option(None, group="source", group_required=True)
     """the run to sample from"""
+    step: int | None = option(None, parse=non_negative_int, metavar="N")
+    """read the run's checkpoint of step N (one its history kept: --keep-last,
+    --keep-every) instead of the latest"""
     model: Path | None = option(None, metavar="DIR", group="source")
     """a hub folder with its tokenizer.json to sample from instead"""
     prompt: str = ""
@@ -183,12 +204,18 @@ class ExportCommand:
     """replace an existing --out folder (atomically)"""
     device: str = "cpu"
     """where the checkpoint is read"""
+    step: int | None = option(None, parse=non_negative_int, metavar="N")
+    """read the run's checkpoint of step N (one its history kept: --keep-last,
+    --keep-every) instead of the latest"""
 
 
 @dataclass(frozen=True)
 class InspectCommand:
     checkpoint: Path = option(positional=True)
-    """a checkpoint file, a sharded checkpoint folder or a run directory"""
+    """a checkpoint file or folder, or a run directory (its latest checkpoint)"""
+    step: int | None = option(None, parse=non_negative_int, metavar="N")
+    """with a run directory: its checkpoint of step N (one its history kept: --keep-last,
+    --keep-every) instead of the latest"""
 
 
 @dataclass(frozen=True)

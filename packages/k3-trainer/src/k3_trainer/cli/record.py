@@ -64,6 +64,10 @@ class Session:
     """A mixture's sources: name, dir, weight, manifest_digest (None: one dataset)."""
     phase: dict[str, Any] | None = None
     """A phase this session starts: name, step, changes."""
+    resumed_from: str | None = None
+    """The checkpoint this session resumed from."""
+    branch: dict[str, Any] | None = None
+    """``--resume-from`` an older checkpoint: from (its path), step, superseded_records."""
 
 
 def write_run_record(run_dir: str | Path, session: Session) -> None:
@@ -81,6 +85,8 @@ def write_run_record(run_dir: str | Path, session: Session) -> None:
                         **({"sources": session.sources} if session.sources else {})})
     if session.phase is not None:
         record.setdefault("phases", []).append(session.phase)
+    if session.branch is not None:
+        record.setdefault("branches", []).append(session.branch)
     parallel = session.data_parallel
     if session.init_from is not None:
         record["init_from"] = session.init_from
@@ -88,6 +94,8 @@ def write_run_record(run_dir: str | Path, session: Session) -> None:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": sys.argv,
         "resumed_from_step": session.resumed_from_step,
+        **({"resumed_from": session.resumed_from} if session.resumed_from is not None else {}),
+        **({"branch": session.branch["step"]} if session.branch is not None else {}),
         "device": session.device,
         **({"data_parallel": parallel} if parallel is not None else {}),
         **({"init_from": session.init_from} if session.init_from is not None else {}),

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from ..callbacks import Callback, LogLines, ProfilerWindow, ProgressBar, Report, TensorBoard
-from ..checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, TRAINER_POLICY, find_checkpoint
+from ..checkpoint import (
+    CHECKPOINT,
+    HISTORY,
+    SHARDED_CHECKPOINT,
+    TRAINER_POLICY,
+    CheckpointHistory,
+    find_checkpoint,
+)
 from ..config import ConfigError, TrainConfig
 from ..data import DataError, read_manifest
 from ..data.loader import MANIFEST_FORMAT, manifest_digest
@@ -26,6 +33,7 @@ from ..data.mixture import Source, check_sources
 from ..data.prepare import prepare_dataset
 from ..models import DEFAULT_MODEL, HubFolderError, ModelSpec, get_model_spec
 from ..observe import read_events
+from ..observe.metrics import current
 from ..observe.report import REPORT_DIR
 from ..observe.run import read_run_record
 from .options import TrainCommand
@@ -80,18 +88,40 @@ def train_config_from(base: dict[str, Any], toml: dict[str, Any],
 
 def _has_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists()
-               for name in (CHECKPOINT, SHARDED_CHECKPOINT, METRICS, "run.json"))
+               for name in (HISTORY, CHECKPOINT, SHARDED_CHECKPOINT, METRICS, "run.json"))
 
 
 def _recorded_checkpoint_step(run_dir: Path) -> int | None:
     """The step of the last checkpoint ``metrics.jsonl`` says was saved, or None."""
     metrics = run_dir / METRICS
     try:
-        events = read_events(metrics) if metrics.is_file() else []
+        events = current(read_events(metrics)) if metrics.is_file() else []
     except (OSError, UnicodeDecodeError):
         return None
     steps = [e.get("step") for e in events if e.get("event") == "checkpoint"]
     return steps[-1] if steps and isinstance(steps[-1], int) else None
+
+
+def _branch_point(run_dir: Path, path: Path) -> Path:
+    """``--resume-from``'s checkpoint, which must be one of the run's history (resolved)."""
+    history = CheckpointHistory(run_dir / HISTORY)
+    if not path.exists():
+        raise RunError(f"--resume-from {path}: no such checkpoint; {_kept(history)}")
+    entry = next((e.path for e in history.entries()
+                  if e.path.resolve() == path.resolve()), None)
+    if entry is None:
+        where = ("was superseded by an earlier --resume-from; move it back into "
+                 f"{history.root} to continue from it"
+                 if path.resolve().parent.parent == history.root.resolve()
+                 else f"is not a checkpoint of {run_dir}")
+        raise RunError(f"--resume-from {path} {where}; {_kept(history)}")
+    return entry
+
+
+def _kept(history: CheckpointHistory) -> str:
+    steps = history.steps()
+    return (f"{history.root} keeps steps {', '.join(map(str, steps))}" if steps
+            else f"{history.root} holds no checkpoint")
 
 
 def read_record(run_dir: Path) -> dict[str, Any]:
@@ -238,6 +268,8 @@ class Plan:
     """What the phase changes, ``{what: [before, after]}`` (for run.json and the event)."""
     phase_new: bool = False
     """The phase starts in this session (False: a repeated command continues it)."""
+    branch: bool = False
+    """``--resume-from`` an older checkpoint than the latest: a new branch of the run."""
 
 
 def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
@@ -250,13 +282,18 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
         raise RunError(f"--run-dir {run_dir} is a file, not a directory")
     record: dict[str, Any] | None = None
     found = find_checkpoint(run_dir)
-    resume = command.resume
+    resume = command.resume or command.resume_from is not None
+    branch = False
+    if command.resume_from is not None:
+        branch = _branch_point(run_dir, command.resume_from) != found
+        found = command.resume_from
     if resume and found is None:
         saved_at = _recorded_checkpoint_step(run_dir)
         if saved_at is not None:  # moved or deleted: starting over would lose the run
             raise RunError(f"{run_dir / METRICS} records a checkpoint saved at step "
-                           f"{saved_at}, but {run_dir} holds none ({CHECKPOINT} or "
-                           f"{SHARDED_CHECKPOINT}): put it back, or choose another --run-dir")
+                           f"{saved_at}, but {run_dir} holds none ({HISTORY}/, or "
+                           f"{CHECKPOINT} from an earlier version): put it back, or choose "
+                           "another --run-dir")
         # Nothing written yet, or killed before its first checkpoint: nothing to lose, so a
         # supervisor that restarts with --resume until success gets a run, not a loop.
         if _has_run(run_dir):
@@ -330,7 +367,7 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
     if preset is None and init_from is None:  # what the model was built from, on record
         preset = record.get("preset") if record is not None else spec.default_preset
     return Plan(command, spec, config, model_config, data_dir, found if resume else None,
-                horizon_unset, preset=preset, recorded_data=recorded_data,
+                horizon_unset, branch=branch, preset=preset, recorded_data=recorded_data,
                 notes=(*notes, *said), init_from=init_from, callbacks=_callbacks(command),
                 sources=sources, phase=phase, phase_changes=changes, phase_new=new)
 

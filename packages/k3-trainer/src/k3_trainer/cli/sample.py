@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from ..checkpoint import CHECKPOINT, find_checkpoint
 from ..config import ConfigError
 from ..data import Codec
 from ..sample import Sampling, TextStream, context_room, sample_text
-from .build import parse_device, restore
+from .build import checkpoint_at, parse_device, restore
 from .hub import folder_codec, load_folder
 from .options import SampleCommand
-from .resolve import RunError
 
 
 def run(command: SampleCommand, notes: tuple[str, ...] = ()) -> int:
@@ -25,6 +23,8 @@ def run(command: SampleCommand, notes: tuple[str, ...] = ()) -> int:
         raise ConfigError(str(exc)) from None
     device = parse_device(command.device)
     if command.model is not None:
+        if command.step is not None:
+            raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
         spec, model = load_folder(command.model, device)
         codec = folder_codec(command.model, spec)
         longest = getattr(getattr(model, "config", None), "max_seq_len", None)
@@ -33,10 +33,8 @@ def run(command: SampleCommand, notes: tuple[str, ...] = ()) -> int:
         max_seq_len = longest
     else:
         assert command.run_dir is not None  # argparse requires one of the two
-        if find_checkpoint(command.run_dir) is None:
-            raise RunError(f"{command.run_dir / CHECKPOINT} not found: {command.run_dir} has "
-                           "no checkpoint to sample from; train it first")
-        run_ = restore(command.run_dir, None, device)
+        checkpoint_at(command.run_dir, command.step)  # before run.json: the likelier miss
+        run_ = restore(command.run_dir, None, device, command.step)
         model, codec = run_.model, run_.codec()
         max_seq_len = run_.max_seq_len
     if callable(getattr(model, "generate", None)):

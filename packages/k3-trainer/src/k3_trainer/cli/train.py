@@ -13,11 +13,12 @@ import torch
 import k3_checkpoint
 
 from ..callbacks import MetricsLog, Report
-from ..checkpoint import checkpoint_path
+from ..checkpoint import HISTORY, CheckpointHistory, run_history
 from ..checkpoint.policy import PHASE_MAY_CHANGE
 from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
+from ..observe.metrics import mark_superseded
 from ..precision import validate_precision
 from ..schedule import horizon_notes
 from ..state import TrainState
@@ -50,17 +51,20 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
     command, config = plan.command, plan.config
     run_dir = command.run_dir
     validate_precision(config.precision, device)
-    trainer = build_trainer(plan, device, parallel, checkpoint_path(run_dir, parallel))
+    history = run_history(run_dir, config.keep_last, config.keep_every)
+    trainer = build_trainer(plan, device, parallel, history)
     runtime_changes: dict[str, Any] = {}
+    resumed_from: Path | None = None
     if plan.resume_from is not None:
         try:
             resumed = trainer.resume(plan.resume_from,
                                      allow_runtime_change=command.allow_runtime_change,
                                      new_phase=plan.phase is not None)
         except k3_checkpoint.CheckpointError as error:
-            raise _with_data_hint(_with_runtime_hint(error, command), plan) from error
-        runtime_changes = resumed.runtime_changes
-        if trainer.state.step >= config.max_steps and not plan.phase_new:
+            hinted = _with_data_hint(_with_runtime_hint(error, command), plan)
+            raise _with_older_hint(hinted, plan) from error
+        runtime_changes, resumed_from = resumed.runtime_changes, resumed.path
+        if trainer.state.step >= config.max_steps and not plan.phase_new and not plan.branch:
             # Success for a supervisor that restarts until the run is done.
             print(f"k3-train: run already complete at step {trainer.state.step}; nothing to "
                   "do (raise --max-steps to extend it)")
@@ -73,9 +77,15 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
         return 0
     phase = ({"name": plan.phase, "step": trainer.state.step, "changes": plan.phase_changes}
              if plan.phase_new else None)
+    branch = ({"from": str(resumed_from), "step": trainer.state.step}
+              if plan.branch and resumed_from is not None else None)
     try:  # the session's first writes: a run directory it cannot write is the user's to fix
         if plan.resume_from is None:
             (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
+        else:  # steps past the checkpoint are trained again (or, on a branch, otherwise)
+            superseded = mark_superseded(run_dir / METRICS, trainer.state.step)
+            if branch is not None:
+                branch["superseded_records"] = superseded
         run_dir.mkdir(parents=True, exist_ok=True)
         write_run_record(run_dir, Session(
             config.to_dict(), plan.spec.name, plan.spec.config_dict(plan.model_config),
@@ -86,6 +96,8 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
             phase=phase,
             device=str(device),
             resumed_from_step=trainer.state.step if plan.resume_from is not None else None,
+            resumed_from=None if resumed_from is None else str(resumed_from),
+            branch=branch,
             data_parallel=parallel.describe() if parallel is not None else None,
             init_from=None if plan.init_from is None else str(plan.init_from.resolve())))
         metrics = MetricsLog(run_dir / METRICS)
@@ -101,6 +113,8 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
         trainer.callbacks.extend((metrics, *plan.callbacks))
         if runtime_changes:
             _report_runtime_changes(metrics, trainer.state, runtime_changes)
+        if branch is not None:
+            metrics.write("branch", **branch)
         if phase is not None:
             metrics.write("phase_start", **phase)
         with StopOnSignal(trainer, last_words=ABANDONED):
@@ -173,6 +187,32 @@ def _with_data_hint(error: k3_checkpoint.CheckpointError,
     if any(name in error.reason for name in PHASE_MAY_CHANGE):
         return k3_checkpoint.CheckpointError(f"{error.reason}{phase}", path=error.path)
     return error
+
+
+def _with_older_hint(error: k3_checkpoint.CheckpointError,
+                     plan: Plan) -> k3_checkpoint.CheckpointError:
+    """``error`` of a ``--resume`` from the latest checkpoint, naming the newest older one
+    and the command that continues from it: a damaged latest checkpoint need not end the
+    run. A refusal of the configuration is left alone (an older checkpoint has the same)."""
+    if plan.command.resume_from is not None or error.reason.startswith("incompatible") \
+            or "belongs to different data" in error.reason:
+        return error
+    run_dir = plan.command.run_dir
+    history = CheckpointHistory(run_dir / HISTORY)
+    latest = history.latest()
+    older = [e for e in history.entries() if latest is None or e.path != latest]
+    if latest is None or plan.resume_from is None \
+            or latest.resolve() != Path(plan.resume_from).resolve():
+        return error
+    if not older:
+        return k3_checkpoint.CheckpointError(
+            f"{error.reason}; no older checkpoint is kept (--keep-last N keeps more)",
+            path=error.path)
+    newest = older[-1]
+    return k3_checkpoint.CheckpointError(
+        f"{error.reason}; the newest older checkpoint is {newest.path} (step {newest.step}): "
+        f"continue from it with `k3-train train --run-dir {run_dir} --resume-from "
+        f"{newest.path}`", path=error.path)
 
 
 def _report_runtime_changes(log: MetricsLog, state: TrainState,

@@ -31,3 +31,33 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
 def _finite(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in fields.items()}
+
+
+def mark_superseded(path: str | Path, after_step: int) -> int:
+    """Mark every record of a step past ``after_step`` ``"superseded": true`` (a resume
+    from ``after_step`` trains those steps again, a branch trains others): they stay in
+    the file, and readers skip them. Rewritten atomically; returns how many were marked."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines, marked = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line: the killed session's, never complete
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and step > after_step and not record.get("superseded"):
+            record["superseded"] = True
+            line, marked = json.dumps(record), marked + 1
+        lines.append(line)
+    if marked:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+        temporary.replace(path)
+    return marked
+
+
+def current(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the run as it stands: those no later resume superseded."""
+    return [event for event in events if not event.get("superseded")]

@@ -1,9 +1,9 @@
 """``k3-train report``: PNG plots of a run's ``metrics.jsonl`` and a one-page HTML index.
 
 Needs matplotlib (``pip install 'k3-trainer[report]'``; the workspace's default
-environment has it). Events from every session are combined; when a resumed session
-logs a step again (work after the last checkpoint of a killed session is redone), the
-later record wins.
+environment has it). Events from every session are combined, except those a resume
+marked superseded (work after the checkpoint it resumed from, redone or, on a branch,
+abandoned); of a step logged twice anyway, the later record wins.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError
-from .metrics import read_events
+from .metrics import current, read_events
 from .run import read_run_record
 
 REPORT_DIR = "report"
@@ -52,7 +52,7 @@ def write_report(run_dir: str | Path) -> Path:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ConfigError(f"{metrics} not found: {run_dir} is not a k3-train run directory")
-    events = read_events(metrics)
+    events = current(read_events(metrics))
     train, evals = _series(events, "train"), _series(events, "eval")
     if not train:
         raise ConfigError(f"{metrics} has no train events yet: nothing to plot")
