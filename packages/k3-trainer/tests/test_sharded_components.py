@@ -236,6 +236,17 @@ def test_values_are_read_as_plain_data_never_unpickled(tmp_path):
     assert _equal(before, _picture(fresh))
 
 
+def test_a_state_that_is_not_plain_data_is_refused_by_its_place(tmp_path):
+    """A component state holding an object (here a set) is named, with its place, before
+    any shard is written: what the shards hold must read back as plain data."""
+    states = _trained()
+    states["counters"] = _Record({"value": 2, "seen": [1, {"ids": {3, 4}}]})
+    folder = tmp_path / "step"
+    with pytest.raises(OSError, match=r"counters\.seen\[1\]\.ids is a builtins\.set"):
+        _write(folder, states)
+    assert list(folder.iterdir()) == []
+
+
 def _reindex(folder: Path, model: nn.Module) -> None:
     """Record the folder's current files in its k3.ckpt (as if it had been written so)."""
     payload = k3_checkpoint.read_payload(folder / "k3.ckpt")

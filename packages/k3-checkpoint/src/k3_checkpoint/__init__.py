@@ -14,7 +14,7 @@ from .integrity import file_checksum
 from .layout import optimizer_identity, optimizer_layout
 from .load import LoadedCheckpoint, load_checkpoint
 from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, fsync_directory, read_payload
-from .plain import MISSING
+from .plain import MISSING, to_plain
 from .policy import Changes, CompatibilityPolicy
 from .rng import ValidRng, capture_rng, restore_rng, validate_rng_state
 from .runtime import runtime_signature
@@ -53,5 +53,6 @@ __all__ = [
     "runtime_signature",
     "save_checkpoint",
     "snapshot_checkpoint",
+    "to_plain",
     "validate_rng_state",
 ]

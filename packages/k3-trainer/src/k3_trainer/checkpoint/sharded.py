@@ -43,10 +43,8 @@ Folders written before every component went through DCP (the small components in
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import io
-import numbers
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -228,8 +226,8 @@ def _prepare(states: Mapping[str, Any]) -> _Prepared:
             raise OSError(0, f"component '{name}' is a second optimizer; a sharded checkpoint "
                              "keeps one, under 'optimizer'")
         try:
-            value = _plain(component.state_dict(), name)
-        except ValueError as error:
+            value = k3_checkpoint.to_plain(component.state_dict(), name, tensors=True)
+        except k3_checkpoint.CheckpointError as error:
             raise OSError(0, str(error)) from error
         _put(state, name.split("."), value)
         structure[name] = _skeleton(value)
@@ -971,35 +969,6 @@ def _optimizer_record(optimizer: torch.optim.Optimizer, model: nn.Module) -> dic
     not own)."""
     return {"type": k3_checkpoint.optimizer_identity(optimizer),
             "layout": k3_checkpoint.optimizer_layout(optimizer, model)}
-
-
-def _plain(value: Any, where: str) -> Any:
-    """``value`` as what a checkpoint holds (the rules of ``k3_checkpoint``'s format-7
-    components): dicts with string keys, lists (tuples become lists), str, int, float, bool,
-    None and tensors. ``ValueError`` naming the place of anything else: a value read back
-    is plain data, never an object of some class."""
-    if value is None or type(value) in (bool, str) or isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, enum.Enum):
-        raise ValueError(f"{where} is the enum {value!r}; store its .value instead")
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, Mapping):
-        plain = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{where} has the non-string key {key!r}; use string keys")
-            plain[str.__str__(key)] = _plain(item, f"{where}.{key}")
-        return plain
-    if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
-    raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}; "
-                     "checkpoints hold plain data (dict, list, str, int, float, bool, None) "
-                     "and tensors")
 
 
 def _skeleton(value: Any) -> Any:
