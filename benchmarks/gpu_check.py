@@ -15,7 +15,10 @@ then decode tokens/s against recomputing the prefix, ``small`` in bf16 at contex
 then eager: tokens/s, MFU against the dense bf16 peak, peak memory), and
 ``expert_parallel`` (with 2 or more GPUs: FSDP2 against FSDP2 with the experts split over
 every GPU, at equal global batch, over NCCL: step time and the expert bytes each rank
-sends per step; skipped with one GPU). Results, dated, are
+sends per step; skipped with one GPU), and ``checkpoint`` (the training stall per
+checkpoint, synchronous against ``async_checkpoint``, tiny and small in bf16: the stall,
+the time training was blocked, the write's time and the pinned memory the snapshot holds;
+target: background ≤ 0.15 × synchronous). Results, dated, are
 written after every measurement, so a run cut short still leaves its numbers; sections
 that would not fit in ``--time-limit`` are skipped and say so.
 
@@ -47,8 +50,8 @@ from k3_optim import MuonAdamW, newton_schulz
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                     "A10G": 70.0, "RTX 4090": 165.0}
 SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "decode", "train",
-            "expert_parallel")
-NEEDS_K3_MODEL = ("kda", "decode", "train", "expert_parallel")
+            "expert_parallel", "checkpoint")
+NEEDS_K3_MODEL = ("kda", "decode", "train", "expert_parallel", "checkpoint")
 TRAIN_RESERVE_S = 200.0  # what earlier sections leave for ``train`` when it is selected
 MFU_GOAL, NS_GOAL = 0.40, 0.90
 
@@ -272,6 +275,14 @@ def markdown(results: dict[str, Any]) -> str:
                      f"step {ep[f'ep{world}']['step_s'] * 1e3:.0f} vs "
                      f"{ep['ep1']['step_s'] * 1e3:.0f} ms ({ep['step_ratio_ep_to_fsdp']:.3f}×), "
                      f"expert bytes/rank/step {ep['bytes_ratio_ep_to_fsdp']:.3f}×", ""))
+    for preset, row in results.get("checkpoint", {}).items():
+        if isinstance(row, dict) and "stall_s" in row:
+            rows.append((f"checkpoint stall, {preset}, background vs synchronous",
+                         f"{row['stall_s']['async'] * 1e3:.1f} vs "
+                         f"{row['stall_s']['sync'] * 1e3:.1f} ms ({row['ratio']:.3f}×), "
+                         f"blocked {row['blocked_s']['async'] * 1e3:.1f} vs "
+                         f"{row['blocked_s']['sync'] * 1e3:.1f} ms, holds "
+                         f"{row['held_bytes'] / 2**20:.0f} MiB of host memory", "≤ 0.15×"))
     for name in SECTIONS:
         section = results.get(name, {})
         if isinstance(section, dict) and ("error" in section or "skipped" in section):
@@ -297,7 +308,8 @@ def _run_section(name: str, ctx: Context) -> bool:
             "kda": gpu_check_k3.kda,
             "decode": gpu_check_k3.decode,
             "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device)),
-            "expert_parallel": gpu_check_k3.expert_parallel}
+            "expert_parallel": gpu_check_k3.expert_parallel,
+            "checkpoint": gpu_check_k3.checkpoint}
     else:
         fns = {"ns_correctness": check_ns, "ns_throughput": ns_throughput,
                "optimizer_step": optimizer_step}

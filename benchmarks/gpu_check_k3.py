@@ -429,3 +429,29 @@ def decode(ctx: Context, out: dict[str, Any]) -> None:
             ctx.save()
             ctx.log(f"decode context {context} batch {batch}: " + ", ".join(
                 f"{k} {v:,.1f}" for k, v in row.items()))
+
+
+def checkpoint(ctx: Context, out: dict[str, Any]) -> None:
+    """The training stall per checkpoint on this device, synchronous against background
+    saves (bench:trainer's table: the snapshot copies to pinned host memory here); the
+    small preset in bf16 autocast (smoke: tiny on CPU)."""
+    import tempfile
+    from pathlib import Path
+
+    from bench_trainer import bench_checkpoint_stall
+    from k3_trainer import prepare_dataset
+
+    data = Path(tempfile.mkdtemp()) / "builtin"
+    prepare_dataset([], data)
+    presets = ["tiny"] if ctx.smoke else ["tiny", "small"]
+    results = bench_checkpoint_stall(presets, data, device=ctx.device, **(
+        {"repeats": 1, "checkpoints": 2, "interval": 4, "window": 2} if ctx.smoke else
+        {"repeats": 2, "checkpoints": 3}))
+    for name, row in results.items():
+        out[name] = {key: row[key] for key in ("step_s", "stall_s", "blocked_s", "write_s",
+                                               "held_bytes", "ratio")}
+        ctx.log(f"checkpoint {name}: stall sync {row['stall_s']['sync'] * 1e3:.1f} ms, async "
+                f"{row['stall_s']['async'] * 1e3:.1f} ms ({row['ratio']:.3f}x), blocked "
+                f"{row['blocked_s']['async'] * 1e3:.1f} ms, holds "
+                f"{row['held_bytes'] / 2**20:.0f} MiB")
+    ctx.save()

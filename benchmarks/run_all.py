@@ -24,7 +24,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("checkpoint", "bench_checkpoint.py", []),
     ("hub", "bench_hub.py", []),
     ("generate", "bench_generate.py", []),
-    ("trainer", "bench_trainer.py", []),
+    ("trainer", "bench_trainer.py", ["--stall-presets", "tiny"]),
     ("presets", "bench_presets.py", []),
     ("data", "bench_data.py", []),
     ("model", "bench_model.py", []),

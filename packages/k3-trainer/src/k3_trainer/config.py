@@ -94,7 +94,9 @@ class TrainConfig:
     """Steps between checkpoints (one is also written at the end and on Ctrl-C)."""
     async_checkpoint: bool = False
     """Write checkpoints in the background: training stops only while the state is copied;
-    the write, checksum and fsync run on a worker thread (one in flight at a time)."""
+    the write, checksum and fsync run on a worker thread (one in flight at a time). Off by
+    default: it pays where training leaves the host's cores free (a GPU run); on a CPU run
+    the write takes them from training, and the copy holds as much memory as the state."""
     keep_last: int = 1
     """Checkpoints the run's history keeps: the newest N (1: the latest only)."""
     keep_every: int | None = None
