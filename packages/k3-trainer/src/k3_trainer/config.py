@@ -100,7 +100,7 @@ class TrainConfig:
     keep_last: int = 1
     """Checkpoints the run's history keeps: the newest N (1: the latest only)."""
     keep_every: int | None = None
-    """Also keep each checkpoint whose step is a multiple of K (milestones, never pruned)."""
+    """Also keep every checkpoint whose step is a multiple of this (milestones, never pruned)."""
     eval_batches: int | None = None
     """Validation batches per evaluation, from the start of the split (unset: the whole
     split, up to eval_tokens)."""
