@@ -16,10 +16,10 @@ loaders, never the optimizer): what it reads follows from what it is asked for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -32,6 +32,8 @@ from .background import Work
 from .files import CheckpointStore, CheckpointWriteError, FixedPath, checkpoint_file
 from .history import META, CheckpointHistory
 from .policy import TRAINER_POLICY, phase_policy, relaxed, runtime_changes
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,9 @@ class Checkpointer:
                 digest = shards.write_sharded(staged, self.states, self.metadata, self.parallel)
             else:
                 digest = self._write_file(checkpoint_file(staged))
-            published = self._on_main(lambda: store.publish(staged, step))
+            published = self._on_main(
+                lambda: store.publish(staged, step),
+                "rank 0 failed to publish the checkpoint (see its error line)")
         except OSError as error:
             if self.main:
                 store.discard(staged)
@@ -136,41 +140,30 @@ class Checkpointer:
 
     def _stage(self, store: CheckpointStore, step: int) -> Path:
         """Rank 0 prepares where ``step`` is written; every rank learns the path."""
-        failure = None
-        if self.main:
-            try:
-                store.stage(step)
-            except OSError as error:
-                failure = error
         try:
-            raise_on_every_rank(self.parallel, failure,
-                                "rank 0 could not prepare the checkpoint folder")
+            self._on_main(lambda: store.stage(step),
+                          "rank 0 could not prepare the checkpoint folder")
         except OSError as error:
             raise _failure(store, step, error) from error
         return store.staging(step)
 
-    def _on_main(self, publish: Any) -> Path | None:
-        """Rank 0 publishes; a failure there is raised on every rank."""
-        path, failure = None, None
+    def _on_main(self, work: Callable[[], _T], elsewhere: str) -> _T | None:
+        """``work`` on rank 0 (its result there, None elsewhere); an ``OSError`` there is
+        raised on every rank, the others saying ``elsewhere``."""
+        result, failure = None, None
         if self.main:
             try:
-                path = publish()
+                result = work()
             except OSError as error:
                 failure = error
-        raise_on_every_rank(self.parallel, failure,
-                            "rank 0 failed to publish the checkpoint (see its error line)")
-        return path
+        raise_on_every_rank(self.parallel, failure, elsewhere)
+        return result
 
     def _write_file(self, path: Path) -> str:
-        digest, failure = "", None
-        if self.main:
-            try:
-                digest = k3_checkpoint.save_checkpoint(path, self.states, self.metadata)
-            except OSError as error:
-                failure = error
-        raise_on_every_rank(self.parallel, failure,
-                            "rank 0 failed to write the checkpoint (see its error line)")
-        return digest
+        digest = self._on_main(
+            lambda: k3_checkpoint.save_checkpoint(path, self.states, self.metadata),
+            "rank 0 failed to write the checkpoint (see its error line)")
+        return digest or ""
 
     # --- load --------------------------------------------------------------------------------
 
