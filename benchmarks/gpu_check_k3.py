@@ -369,25 +369,29 @@ def expert_parallel(ctx: Context, out: dict[str, Any]) -> None:
 
 def decode(ctx: Context, out: dict[str, Any]) -> None:
     """Generation with the cache on the GPU: cached logits against the full forward (fp32),
-    then decode tokens/s with the cache against recomputing the prefix (bf16 weights), at
-    contexts 1024 and 4096, batch 1 and 8; fla's fused recurrent kernel when installed."""
+    then the per-step time of a decoding step (bf16 weights, fla's fused recurrent kernel
+    when installed) eager, replayed from a CUDA graph (a static cache: fixed buffers, write
+    position on the device), and recomputing the whole context, at contexts 1024 and
+    4096, batch 1 and 8. Eager steps run under ``torch.cuda.set_sync_debug_mode("error")``:
+    a step that waited for the device would fail there."""
     from k3_model import K3Model, preset
 
     device, smoke = ctx.device, ctx.smoke
-    _, fla_note = _fla() if device.type == "cuda" else (None, "CUDA only")
+    cuda = device.type == "cuda"
+    _, fla_note = _fla() if cuda else (None, "CUDA only")
     out["fla"] = fla_note
     name = "tiny" if smoke else "small"
     contexts, batches, steps = ([64], [1], 4) if smoke else ([1024, 4096], [1, 8], 32)
     torch.manual_seed(0)
-    model = K3Model(preset(name, max_seq_len=max(contexts) + steps + 8)).to(device).eval()
+    model = K3Model(preset(name, max_seq_len=max(contexts) + 4 * steps + 8)).to(device).eval()
     x = torch.randint(0, model.config.vocab_size, (2, 200 if not smoke else 40),
                       device=device)
     with torch.no_grad():
         full = model(x)[0]
-    cache = model.new_cache()
-    cut = x.shape[1] - 8
-    parts = [model.forward_cached(x[:, :cut], cache)]
-    parts += [model.forward_cached(x[:, i:i + 1], cache) for i in range(cut, x.shape[1])]
+        cache = model.new_cache(x.shape[1])
+        cut = x.shape[1] - 8
+        parts = [model.forward_cached(x[:, :cut], cache)]
+        parts += [model.forward_cached(x[:, i:i + 1], cache) for i in range(cut, x.shape[1])]
     got = torch.cat(parts, dim=1)
     out["agreement_fp32_max_rel"] = float((got - full).abs().max() / full.abs().max())
     ctx.log(f"decode: cached vs full forward, fp32 {name}: max rel "
@@ -400,35 +404,82 @@ def decode(ctx: Context, out: dict[str, Any]) -> None:
             if not ctx.has(30):
                 rows[f"context={context} batch={batch}"] = {"skipped": "time limit"}
                 continue
-            ids = torch.randint(0, model.config.vocab_size, (batch, context + steps),
-                                device=device)
-            cache = model.new_cache()
-            def prefill_once(ids: torch.Tensor = ids, context: int = context) -> None:
-                model.forward_cached(ids[:, :context], model.new_cache())
-
-            prefill = ctx.time(prefill_once, 1)
-            model.forward_cached(ids[:, :context], cache)
-
-            def cached(cache: Any = cache, ids: torch.Tensor = ids,
-                       context: int = context) -> None:
-                for i in range(context, context + steps):
-                    model.forward_cached(ids[:, i:i + 1], cache)
-
-            def recompute(ids: torch.Tensor = ids, context: int = context) -> None:
-                with torch.no_grad():
-                    for i in range(context, context + 4):
-                        model(ids[:, :i + 1])
-
-            decode_s = ctx.time(cached, 1, warmup=0)
-            recompute_s = ctx.time(recompute, 1)
-            row = {"prefill_tokens_per_s": batch * context / prefill,
-                   "decode_tokens_per_s": batch * steps / decode_s,
-                   "recompute_tokens_per_s": batch * 4 / recompute_s}
-            row["speedup"] = row["decode_tokens_per_s"] / row["recompute_tokens_per_s"]
+            row = _decode_row(ctx, model, context, batch, steps, cuda)
             rows[f"context={context} batch={batch}"] = row
             ctx.save()
             ctx.log(f"decode context {context} batch {batch}: " + ", ".join(
-                f"{k} {v:,.1f}" for k, v in row.items()))
+                f"{k} {v:,.3f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in row.items()))
+
+
+@torch.no_grad()
+def _decode_row(ctx: Context, model: Any, context: int, batch: int, steps: int,
+                cuda: bool) -> dict[str, Any]:
+    """Milliseconds per decoding step: eager, graphed (where capture works), recomputing."""
+    device = ctx.device
+    total = context + 4 * steps + 4
+    ids = torch.randint(0, model.config.vocab_size, (batch, total), device=device)
+    row: dict[str, Any] = {}
+    eager = model.new_cache(total)
+    model.forward_cached(ids[:, :context], eager)
+    at = [context]
+
+    def eager_steps() -> None:
+        for _ in range(steps):
+            model.forward_cached(ids[:, at[0]:at[0] + 1], eager)[:, -1].argmax(-1)
+            at[0] += 1
+
+    eager_steps()  # warm-up (kernels compiled, caches allocated)
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        row["eager_ms"] = ctx.time(eager_steps, 1, warmup=0) / steps * 1e3
+        row["host_syncs_per_step"] = 0 if cuda else "not checked (CPU)"
+    except RuntimeError as exc:  # a synchronizing call inside a step
+        row["host_syncs_per_step"] = f"≥ 1: {str(exc).splitlines()[0][:120]}"
+        row["eager_ms"] = ctx.time(eager_steps, 1, warmup=0) / steps * 1e3
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    if cuda:
+        row.update(_graphed(ctx, model, ids, context, steps))
+        if "graphed_ms" in row:
+            row["graphed_speedup"] = row["eager_ms"] / row["graphed_ms"]
+
+    def recompute() -> None:
+        model(ids[:, :context + 1])[0][:, -1].argmax(-1)
+
+    row["recompute_ms"] = ctx.time(recompute, 2) * 1e3
+    row["eager_vs_recompute"] = row["recompute_ms"] / row["eager_ms"]
+    return row
+
+
+def _graphed(ctx: Context, model: Any, ids: torch.Tensor, context: int, steps: int
+             ) -> dict[str, Any]:
+    """One decoding step captured in a CUDA graph on a static cache, then replayed: the
+    token buffer is refilled from the step's own greedy pick inside the graph."""
+    try:
+        cache = model.new_cache(ids.shape[1], static=True)
+        model.forward_cached(ids[:, :context], cache)
+        token = ids[:, context:context + 1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up steps outside the graph, as CUDA asks
+            for _ in range(2):
+                token.copy_(model.forward_cached(token, cache)[:, -1:].argmax(-1))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            token.copy_(model.forward_cached(token, cache)[:, -1:].argmax(-1))
+    except Exception as exc:  # a capture failure is a result to report
+        return {"graphed": f"capture failed: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:160]}"}
+
+    def replay() -> None:
+        for _ in range(steps):
+            graph.replay()
+
+    return {"graphed_ms": ctx.time(replay, 1, warmup=0) / steps * 1e3}
 
 
 def checkpoint(ctx: Context, out: dict[str, Any]) -> None:

@@ -123,11 +123,15 @@ def _greedy_by_recomputing(model: K3Model, prompt: list[int], new: int) -> list[
     return ids[0, len(prompt):].tolist()
 
 
-def test_greedy_generation_equals_recomputing_the_prefix():
-    model = _model(_config("tiny"))
-    prompts = [[1, 2, 3], list(range(40, 80)), [7]]
-    got = model.generate(prompts, 24, temperature=0)
-    assert got == [_greedy_by_recomputing(model, p, 24) for p in prompts]
+def test_greedy_generation_equals_recomputing_the_prefix(model):
+    """Every preset's layer kinds; one batch of prompts of 1, C − 1, C, C + 1 and 2.5·C
+    tokens (C: KDA's chunk), which prefill apart and decode together."""
+    chunk = model.config.kda_chunk_size
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist()
+               for n in (1, chunk - 1, chunk, chunk + 1, 2 * chunk + chunk // 2)]
+    got = model.generate(prompts, 8, temperature=0)
+    assert got == [_greedy_by_recomputing(model, p, 8) for p in prompts]
 
 
 def test_each_sequence_stops_on_its_own_and_includes_its_stop_token():
@@ -199,9 +203,10 @@ def test_cache_holds_kda_state_and_mla_latents_only_with_the_formula_sizes():
     assert len(kda) == 3 and len(mla) == 1
     assert kda[0].state is not None and kda[0].state.dtype == torch.float32
     assert kda[0].state.shape == (1, 4, 32, 32)
-    assert all(t.shape == (1, 3, 128) for t in kda[0].tails or ())
-    assert mla[0].latent is not None and mla[0].latent.shape == (1, 150, 64)
-    assert mla[0].k_shared is not None and mla[0].k_shared.shape == (1, 150, 16)
+    assert kda[0].tail is not None and kda[0].tail.shape == (1, 3, 3 * 128)
+    (buffer,) = mla[0].buffers  # [normalized latent | shared key slice] per position
+    assert buffer is not None and buffer.shape[0] == 1 and buffer.shape[2] == 64 + 16
+    assert buffer.shape[1] >= 150  # the spare capacity is not counted above
 
 
 def test_published_shapes_cache_sizes_follow_the_formula():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -137,9 +139,14 @@ def test_a_model_without_generate_samples_by_recomputing():
 
 
 def test_what_does_not_fit_in_max_seq_len_is_said(run, capsys):
-    """The cache holds the whole sequence: the run's max_seq_len is 32."""
-    code, out, err = _sample(capsys, run, "--max-new-tokens", "40", "--temperature", "0")
-    assert code == 0 and "--max-new-tokens 40 does not fit" in err and "at most 31" in err
+    """The cache holds the whole sequence: the run's max_seq_len is 32. The whole prompt
+    is read and the new tokens are capped to what fits after it; only a prompt that would
+    leave fewer than half the window (or the tokens asked for) keeps its last tokens."""
+    code, _, err = _sample(capsys, run, "--max-new-tokens", "40", "--temperature", "0")
+    capped = re.search(r"--max-new-tokens 40 does not fit after the (\d+)-token prompt in "
+                       r"the model's max_seq_len 32; generating at most (\d+)", err)
+    assert code == 0 and capped and int(capped[1]) + int(capped[2]) == 32, err
+    assert len([line for line in err.splitlines() if "note" in line]) == 1
     capsys.readouterr()
     code = main(["sample", "--run-dir", str(run), "--prompt", "y" * 40, "--max-new-tokens",
                  "10", "--temperature", "0"])
@@ -147,3 +154,27 @@ def test_what_does_not_fit_in_max_seq_len_is_said(run, capsys):
     assert code == 0 and "the prompt is 41 tokens; its last 22 are read" in err
     code, _, err = _sample(capsys, run, "--max-new-tokens", "8")
     assert code == 0 and "note" not in err
+
+
+def test_sample_says_its_decoding_speed(run, capsys):
+    code, out, err = _sample(capsys, run, "--max-new-tokens", "8", "--temperature", "0")
+    speed = re.search(r"k3-train: (\d+) new tokens in [\d.]+ s: [\d,.]+ tokens/s after a "
+                      r"[\d.]+ s prefill", err)
+    assert code == 0 and speed and 1 <= int(speed[1]) <= 8, err
+    assert "tokens/s" not in out
+
+
+@pytest.mark.parametrize(("prompt", "new", "window", "expected"), [
+    (6, 300, 256, (6, 250)),  # the whole prompt, the new tokens capped
+    (2, 40, 32, (2, 30)),
+    (31, 10, 32, (22, 10)),  # too little room left: the prompt's last tokens
+    (41, 10, 32, (22, 10)),
+    (41, 40, 32, (16, 16)),  # half the window each
+    (300, 5, 256, (251, 5)),
+])
+def test_context_room_keeps_the_prompt_and_caps_the_new_tokens(prompt, new, window,
+                                                                expected):
+    from k3_trainer.sample import context_room
+
+    kept, tokens = context_room(prompt, new, window)
+    assert (kept, tokens) == expected and kept + tokens <= window

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .attention import GQAttention, MLAttention
     from .attn_res import ResidualRead
     from .balancer import QuantileBalancer, expert_counts, quantile_bias
+    from .cache import DecodeCache
     from .checkpointing import CHECKPOINT_MODES
     from .config import K3Config
     from .flops import ParameterCount, count_parameters, flops_per_token, kda_flops_per_token
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from .norm import RMSNorm
     from .presets import PRESETS, preset
     from .rope import RotaryEmbedding, apply_rotary
+    from .scoring import Continuations, Scored, score_continuations
 
 _EXPORTS = {
     "GQAttention": ".attention",
@@ -40,6 +42,7 @@ _EXPORTS = {
     "QuantileBalancer": ".balancer",
     "expert_counts": ".balancer",
     "quantile_bias": ".balancer",
+    "DecodeCache": ".cache",
     "CHECKPOINT_MODES": ".checkpointing",
     "K3Config": ".config",
     "ParameterCount": ".flops",
@@ -66,6 +69,9 @@ _EXPORTS = {
     "preset": ".presets",
     "RotaryEmbedding": ".rope",
     "apply_rotary": ".rope",
+    "Continuations": ".scoring",
+    "Scored": ".scoring",
+    "score_continuations": ".scoring",
 }
 
 try:
@@ -91,6 +97,8 @@ __all__ = [
     "CHECKPOINT_MODES",
     "PRESETS",
     "Block",
+    "Continuations",
+    "DecodeCache",
     "Experts",
     "GQAttention",
     "GatedMLP",
@@ -106,6 +114,7 @@ __all__ = [
     "RotaryEmbedding",
     "Router",
     "RoutingStats",
+    "Scored",
     "SwiGLU",
     "__version__",
     "apply_rotary",
@@ -120,5 +129,6 @@ __all__ = [
     "quantile_bias",
     "recurrent_kda",
     "save_pretrained",
+    "score_continuations",
     "situ_glu",
 ]

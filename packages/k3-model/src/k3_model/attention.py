@@ -68,17 +68,23 @@ class GQAttention(nn.Module):
         out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
         return out
 
-    def forward_cached(self, x: Tensor, entry: KVCache, step: Step, cos: Tensor,
-                       sin: Tensor) -> Tensor:
-        """:meth:`forward` for ``T`` new tokens after the cached ones (``cos``/``sin`` at
-        the tokens' own positions, ``[B, 1, T, dim/2]``); appends their keys and values."""
+    def forward_cached(self, x: Tensor, entry: KVCache, step: Step,
+                       rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """:meth:`forward` for ``T`` new tokens after the cached ones (``rope``: the rotary
+        tables at the tokens' own positions, ``[B, 1, T, dim/2]``); writes their keys and
+        values into the cache."""
+        if rope is None:
+            raise ValueError("GQAttention needs the rotary tables cos and sin")
         b, t, _ = x.shape
         h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
-        q = apply_rotary(self.q_proj(x).view(b, t, h, e).transpose(1, 2), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(b, t, kv, e).transpose(1, 2), cos, sin)
-        entry.k = _append(entry.k, k, 2)
-        entry.v = _append(entry.v, self.v_proj(x).view(b, t, kv, e).transpose(1, 2), 2)
-        y = F.scaled_dot_product_attention(q, entry.k, entry.v, attn_mask=step.attention_mask,
+        q = apply_rotary(self.q_proj(x).view(b, t, h, e).transpose(1, 2), *rope)
+        k = apply_rotary(self.k_proj(x).view(b, t, kv, e).transpose(1, 2), *rope)
+        keys, values = entry.write(step, k.transpose(1, 2).reshape(b, t, kv * e),
+                                   self.v_proj(x))
+        length = keys.shape[1]
+        keys = keys.view(b, length, kv, e).transpose(1, 2)
+        values = values.view(b, length, kv, e).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.attention_mask,
                                            enable_gqa=kv != h)
         out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
         return out
@@ -168,12 +174,29 @@ class MLAttention(nn.Module):
         out: Tensor = self.o_proj(y)
         return out
 
+    latent_steps: bool | None = None
+    """Whether cached steps attend in the latent space (None: when it is cheaper, see
+    :meth:`attends_in_latent_space`); True/False force one form (tests, benchmarks)."""
+
+    def attends_in_latent_space(self, t: int) -> bool:
+        """Whether a cached step of ``t`` new tokens attends over the latents directly.
+
+        Per cached key and head, the expanded form pays ``r·(nope + v)`` multiply-adds to
+        rebuild the key and value from the latent (rank r), then ``t·(nope + rope + v)``
+        for the attention; the latent form pays ``t·(2r + rope)``. So decoding steps and
+        short continuations take the latent form, a prefill the expanded one.
+        """
+        if self.latent_steps is not None:
+            return self.latent_steps
+        r, dn, dr, dv = self.kv_rank, self.nope_dim, self.rope_dim, self.v_dim
+        return t * (2 * r + dr) < r * (dn + dv) + t * (dn + dr + dv)
+
     def forward_cached(self, x: Tensor, entry: LatentCache, step: Step,
                        rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """:meth:`forward` for ``T`` new tokens after the cached ones: caches each token's
+        """:meth:`forward` for ``T`` new tokens after the cached ones: writes each token's
         normalized latent and shared key slice (rotated at its own position with RoPE,
-        ``rope`` ``[B, 1, T, rope/2]`` tables) and expands every cached latent into this
-        step's per-head keys and values."""
+        ``rope`` ``[B, 1, T, rope/2]`` tables) into the cache, then attends over every
+        cached token, in the latent space or expanded (:meth:`attends_in_latent_space`)."""
         b, t, _ = x.shape
         h, dn, dr, dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         q = self.q_up(self.q_norm(self.q_down(x))) if self.q_rank else self.q_proj(x)
@@ -185,18 +208,41 @@ class MLAttention(nn.Module):
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             q = torch.cat([q_nope, apply_rotary(q_rope, *rope)], dim=-1)
             k_shared = apply_rotary(k_shared.unsqueeze(1), *rope).squeeze(1)
-        entry.latent = _append(entry.latent, self.kv_norm(latent), 1)
-        entry.k_shared = _append(entry.k_shared, k_shared, 1)
-        total = entry.latent.shape[1]
-        kv = self.kv_up(entry.latent).view(b, total, h, dn + dv).transpose(1, 2)
-        k_nope, v = kv.split([dn, dv], dim=-1)
-        k = torch.cat([k_nope, entry.k_shared.unsqueeze(1).expand(b, h, total, dr)], dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attention_mask)
+        (cached,) = entry.write(step, torch.cat([self.kv_norm(latent), k_shared], dim=-1))
+        if self.attends_in_latent_space(t):
+            y = self._latent_attention(q, cached, step.attention_mask)
+        else:
+            y = self._expanded_attention(q, cached, step.attention_mask)
         return self._output(x, y.transpose(1, 2).reshape(b, t, h * dv))
 
+    def _expanded_attention(self, q: Tensor, cached: Tensor, mask: Tensor) -> Tensor:
+        """Every cached latent expanded through ``kv_up`` into per-head keys and values
+        (the training forward's attention): ``[B, H, T, v]``."""
+        b, length, _ = cached.shape
+        h, dn, dr, dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
+        latent, k_shared = torch.split(cached, [self.kv_rank, dr], dim=-1)
+        kv = self.kv_up(latent).view(b, length, h, dn + dv).transpose(1, 2)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k = torch.cat([k_nope, k_shared.unsqueeze(1).expand(b, h, length, dr)], dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-def _append(cached: Tensor | None, new: Tensor, dim: int) -> Tensor:
-    return new if cached is None else torch.cat([cached, new], dim=dim)
+    def _latent_attention(self, q: Tensor, cached: Tensor, mask: Tensor) -> Tensor:
+        """The same attention over the cached latents directly (DESIGN §10): with
+        ``kv_up`` = ``[W_uk; W_uv]`` per head, ``q_nopeᵀ(W_uk c) = (W_ukᵀ q_nope)ᵀ c`` and
+        ``Σ a (W_uv c) = W_uv (Σ a c)``; so each head's query is mapped into the latent
+        space once, every head attends over the one shared ``[latent | key slice]`` row
+        per token (multi-query attention, heads folded into the query rows), and the
+        value up-projection is applied to the weighted latent: ``[B, H, T, v]``."""
+        b, t = q.shape[0], q.shape[2]
+        h, dn, dr, dv, r = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank
+        w = self.kv_up.weight.view(h, dn + dv, r)
+        q_nope, q_rope = torch.split(q, [dn, dr], dim=-1)
+        query = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :dn]), q_rope], -1)
+        scores = torch.matmul(query.reshape(b, h * t, r + dr), cached.transpose(1, 2))
+        scores = scores.view(b, h, t, -1).float() * (dn + dr) ** -0.5
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(cached.dtype)
+        weighted = torch.matmul(probs.view(b, h * t, -1), cached[..., :r]).view(b, h, t, r)
+        return torch.einsum("bhtr,hvr->bhtv", weighted, w[:, dn:])
 
 
 def build_attention(config: K3Config, kind: str) -> GQAttention | MLAttention | KimiDeltaAttention:

@@ -1,16 +1,21 @@
 """Generation with the decoding cache: batched prompts, seeded sampling, per-sequence stops.
 
 The prompts are prefilled (one forward per prompt length) and their caches merged into one
-left-padded batch; then every step feeds each sequence's new token (one forward of ``B``
-tokens), so the cost per token is one token through the layers plus MLA's attention over
-the cached latents, instead of the whole prefix again. A sequence that produced a stop id
-stops growing (the batch goes on for the others). Draws come from one CPU
-``torch.Generator`` seeded by ``seed``: the same call gives the same tokens.
+left-padded batch, its buffers sized once for the prompt plus the new tokens; then every
+step feeds each sequence's new token (one forward of ``B`` tokens), so the cost per token
+is one token through the layers plus MLA's attention over the cached latents, instead of
+the whole prefix again. Tokens are drawn where the logits are (greedy, temperature, top-k,
+top-p) and stay there: the host reads them once at the end, plus one small read every
+:data:`STOP_CHECK_EVERY` steps to see whether every sequence has stopped (or one per step
+when a caller streams them). A sequence that produced a stop id stops growing (the batch
+goes on for the others). Draws come from a ``torch.Generator`` on the model's device
+seeded by ``seed``: the same call on the same device gives the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +23,10 @@ from torch import Tensor, nn
 
 from .cache import DecodeCache
 from .config import K3Config
+
+STOP_CHECK_EVERY = 8
+"""Decoding steps between two reads of "has every sequence stopped?" when nothing is
+streamed (a stopped batch decodes at most this many steps too many, which are dropped)."""
 
 
 class CachedDecoder(Protocol):
@@ -28,7 +37,8 @@ class CachedDecoder(Protocol):
 
     def forward_cached(self, x: Tensor, cache: DecodeCache, real: Tensor | None = None
                        ) -> Tensor: ...
-    def new_cache(self) -> DecodeCache: ...
+    def new_cache(self, capacity: int | None = None, static: bool = False
+                  ) -> DecodeCache: ...
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
     def eval(self) -> Any: ...
     def train(self, mode: bool = True) -> Any: ...
@@ -36,11 +46,11 @@ class CachedDecoder(Protocol):
 
 def pick(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
          generator: torch.Generator) -> Tensor:
-    """One token id per row of ``logits`` ``(B, V)``: the most likely with
-    ``temperature == 0``, else a draw from the softmax of ``logits / temperature`` limited
-    to the ``top_k`` most likely and to the smallest set whose probability reaches
-    ``top_p`` (nucleus), on the CPU."""
-    logits = logits.float().cpu()
+    """One token id per row of ``logits`` ``(B, V)``, on the logits' device: the most
+    likely with ``temperature == 0``, else a draw (from ``generator``, on that device)
+    from the softmax of ``logits / temperature`` limited to the ``top_k`` most likely and
+    to the smallest set whose probability reaches ``top_p`` (nucleus)."""
+    logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
@@ -75,65 +85,109 @@ def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: f
                          "generate fewer tokens")
 
 
-def prefill(model: CachedDecoder, prompts: Sequence[Sequence[int]], device: torch.device
-            ) -> tuple[DecodeCache, Tensor]:
+def prefill(model: CachedDecoder, prompts: Sequence[Sequence[int]], device: torch.device,
+            room: int | None = None) -> tuple[DecodeCache, Tensor]:
     """The batch's cache after the prompts, and each prompt's last logits ``(B, V)``.
 
     Prompts of one length are prefilled together, each length on its own, and the caches
     merged (left-padded): a prompt's prefill is then the very computation of its full
     forward, whereas padding inside one forward would shift KDA's chunk boundaries.
+    ``room``: new tokens the cache's buffers are sized for after the longest prompt
+    (None: grown as needed).
     """
     groups: dict[int, list[int]] = {}
     for row, prompt in enumerate(prompts):
         groups.setdefault(len(prompt), []).append(row)
     caches, logits, order = [], [], []
-    for rows in groups.values():
-        cache = model.new_cache()
+    for length, rows in groups.items():
+        cache = model.new_cache(None if room is None else length + room)
         ids = torch.tensor([[int(t) for t in prompts[r]] for r in rows], device=device)
         logits.append(model.forward_cached(ids, cache)[:, -1])
         caches.append(cache)
         order.extend(rows)
-    merged = DecodeCache.merge(caches) if len(caches) > 1 else caches[0]
+    if len(caches) == 1:
+        return caches[0], logits[0]
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))
-    return merged.select(back.to(device)), torch.cat(logits)[back.to(device)]
+    return (DecodeCache.merge(caches).select(back.to(device)),
+            torch.cat(logits)[back.to(device)])
 
 
 @torch.no_grad()
 def generate(model: CachedDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, stop_ids: Iterable[int] = (),
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+             on_token: Callable[[int, int], None] | None = None,
+             timings: MutableMapping[str, float] | None = None) -> list[list[int]]:
     """The new token ids for each prompt (a list of token-id lists), at most
     ``max_new_tokens`` each, a sequence ending at its first token in ``stop_ids`` (which is
     included). ``temperature=0`` is greedy. ``on_token(i, token)`` is called for each new
-    token of prompt ``i`` as it is produced (streaming). The model's training flag and
-    the global RNG are left as they were; the model runs in eval mode meanwhile (no
-    balancer update)."""
+    token of prompt ``i`` as it is produced (streaming: one read of the tokens per step).
+    ``timings``, when given, receives ``prefill_s`` (the prompts' forwards), ``decode_s``
+    (every step after it) and ``new_tokens`` (all sequences' together), so that a caller
+    can report decoding speed (on CUDA, measuring waits for the device twice more).
+    The model's training flag and the global RNG are left as they were; the model runs in
+    eval mode meanwhile (no balancer update)."""
     config = model.config
     _check(prompts, max_new_tokens, temperature, top_k, top_p, config.vocab_size,
            config.max_seq_len)
     device = next(model.parameters()).device
-    stops = {int(t) for t in stop_ids}
-    generator = torch.Generator().manual_seed(seed)
+    stop_set = {int(t) for t in stop_ids}
+    stops = torch.tensor(sorted(stop_set), dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
+    began = time.perf_counter()
     try:
-        cache, logits = prefill(model, prompts, device)
-        new: list[list[int]] = [[] for _ in prompts]
-        running = [True] * len(prompts)
+        cache, logits = prefill(model, prompts, device, room=max_new_tokens)
+        if timings is not None:
+            _wait(device)
+            timings["prefill_s"] = time.perf_counter() - began
+            began = time.perf_counter()
+        drawn = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        streamed = [False] * len(prompts)  # host copy of `stopped`, when streaming
         for step in range(max_new_tokens):
             tokens = pick(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                           generator=generator)
-            for row, token in enumerate(tokens.tolist()):
-                if running[row]:
-                    new[row].append(token)
-                    if on_token is not None:
+            drawn[:, step] = tokens
+            if stops.numel():
+                stopped |= torch.isin(tokens, stops)
+            if on_token is not None:
+                for row, token in enumerate(tokens.tolist()):
+                    if not streamed[row]:
                         on_token(row, token)
-                    running[row] = token not in stops
-            if not any(running) or step == max_new_tokens - 1:
+                        streamed[row] = token in stop_set
+            if step == max_new_tokens - 1 or _all_stopped(step, stopped, streamed, on_token):
                 break
-            logits = model.forward_cached(tokens[:, None].to(device), cache)[:, -1]
+            logits = model.forward_cached(tokens[:, None], cache)[:, -1]
+        new = [_until_stop(row, stop_set) for row in drawn[:, :step + 1].tolist()]
     finally:
         model.train(was_training)
+    if timings is not None:
+        timings["decode_s"] = time.perf_counter() - began
+        timings["new_tokens"] = sum(len(row) for row in new)
     return new
+
+
+def _wait(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing boundary)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_stopped(step: int, stopped: Tensor, streamed: list[bool],
+                 on_token: Callable[[int, int], None] | None) -> bool:
+    """Whether every sequence has stopped: known on the host when streaming, else read
+    from the device every :data:`STOP_CHECK_EVERY` steps."""
+    if on_token is not None:
+        return all(streamed)
+    return (step + 1) % STOP_CHECK_EVERY == 0 and bool(stopped.all())
+
+
+def _until_stop(tokens: list[int], stops: set[int]) -> list[int]:
+    """``tokens`` up to and including the first stop id."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:i + 1]
+    return tokens

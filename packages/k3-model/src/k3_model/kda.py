@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import KDAState
+from .cache import KDAState, Step
 from .norm import RMSNorm
 
 CHUNK_SIZES = (16, 32, 64)
@@ -94,6 +94,20 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
             outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, state))
         o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
     return o.to(out_dtype), (state if output_final_state else None)
+
+
+def _recurrent_step_(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                     beta: Tensor, scale: float) -> Tensor:
+    """One token of :func:`recurrent_kda` (``q, k, g`` [B, H, K], ``v`` [B, H, V],
+    ``beta`` [B, H]) applied to ``state`` [B, H, K, V] in place (a decoding step: no
+    state allocated per token); returns ``o`` [B, H, V] in the state's dtype."""
+    with torch.autocast(q.device.type, enabled=False):
+        dtype = state.dtype
+        q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+        state.mul_(g.exp()[..., None])
+        error = v - torch.matmul(k[:, :, None], state)[:, :, 0]
+        state.add_((beta[..., None] * k)[..., None] * error[:, :, None])
+        return torch.matmul((q * scale)[:, :, None], state)[:, :, 0]
 
 
 def _chunked(x: Tensor, chunk: int, dtype: torch.dtype) -> Tensor:
@@ -460,30 +474,28 @@ class KimiDeltaAttention(nn.Module):
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out
 
-    def forward_cached(self, x: Tensor, entry: KDAState, real: Tensor | None = None
-                       ) -> Tensor:
+    def forward_cached(self, x: Tensor, entry: KDAState, step: Step,
+                       rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """:meth:`forward` for ``T`` new tokens continuing from ``entry`` (the recurrent
-        state and the convolution's tail), which it advances. ``real`` ``[B, T]`` (None:
-        every token is real): padded inputs are zeroed, so they write nothing and a
-        sequence's state is its own. One token at a time runs the recurrence, longer steps
-        the chunked form."""
+        state and the convolution's tail), which it overwrites in place. Padded inputs
+        (``step.real`` False) are zeroed, so they write nothing and a sequence's state is
+        its own. One token at a time runs the recurrence, longer steps the chunked form.
+        ``rope`` is unused (KDA has no positions)."""
         b, t, _ = x.shape
         h, e = self.n_heads, self.head_dim
-        if real is not None:
-            x = x * real[..., None].to(x.dtype)
-        tails = entry.tails or tuple(x.new_zeros(b, self.conv_size - 1, h * e)
-                                     for _ in range(3))
-        mixed, new_tails = [], []
-        for conv, proj, tail in zip((self.q_conv, self.k_conv, self.v_conv),
-                                    (self.q_proj, self.k_proj, self.v_proj), tails):
-            full = torch.cat([tail, proj(x)], dim=1)  # [B, kernel − 1 + T, C]
-            new_tails.append(full[:, full.shape[1] - (self.conv_size - 1):])
-            # The depthwise causal conv as windows times taps: for a step of a few tokens
-            # far cheaper than a conv1d call (whose setup dominates at T = 1 on CPU).
-            windows = full.unfold(1, self.conv_size, 1)  # [B, T, C, kernel]
-            y = (windows * conv.weight[:, 0].to(windows.dtype)).sum(-1)
-            mixed.append(F.silu(y).reshape(b, t, h, e))
-        q, k, v = l2_normalize(mixed[0]), l2_normalize(mixed[1]), mixed[2]
+        if step.padded:
+            x = x * step.real[..., None].to(x.dtype)
+        # q, k and v side by side: one depthwise conv over [tail | new] as windows times
+        # taps (for a few tokens far cheaper than a conv1d call, whose setup dominates)
+        proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        tail = entry.tail if entry.tail is not None else \
+            proj.new_zeros(b, self.conv_size - 1, proj.shape[-1])
+        full = torch.cat([tail, proj], dim=1)  # [B, kernel − 1 + T, 3·H·K]
+        taps = torch.cat([self.q_conv.weight[:, 0], self.k_conv.weight[:, 0],
+                          self.v_conv.weight[:, 0]]).to(full.dtype)
+        mixed = F.silu((full.unfold(1, self.conv_size, 1) * taps).sum(-1))
+        q, k, v = (m.reshape(b, t, h, e) for m in torch.split(mixed, h * e, dim=-1))
+        q, k = l2_normalize(q), l2_normalize(k)
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
         if self._use_fla(x):  # fla's kernels: fused recurrent for one token, else chunked
@@ -491,13 +503,16 @@ class KimiDeltaAttention(nn.Module):
             o, state = fla_kda(q, k, v, g, beta, scale=e**-0.5, initial_state=entry.state,
                                output_final_state=True, use_qk_l2norm_in_kernel=False)
         elif t == 1:
-            o, state = recurrent_kda(q, k, v, g, beta, scale=e**-0.5,
-                                     initial_state=entry.state, output_final_state=True)
+            if entry.state is None:
+                entry.state = torch.zeros(b, h, e, e, dtype=_compute_dtype(q, k, v),
+                                          device=x.device)
+            o, state = _recurrent_step_(entry.state, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                        beta[:, 0], e**-0.5)[:, None].to(v.dtype), entry.state
         else:
             o, state = chunk_kda(q, k, v, g, beta, scale=e**-0.5, chunk_size=self.chunk_size,
                                  gate_lower_bound=self.decay_bound,
                                  initial_state=entry.state, output_final_state=True)
-        entry.state, entry.tails = state, (new_tails[0], new_tails[1], new_tails[2])
+        entry.update(state, full[:, full.shape[1] - (self.conv_size - 1):])
         o = self.o_norm(o) * torch.sigmoid(self.output_gate(x)).view(b, t, h, e)
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out

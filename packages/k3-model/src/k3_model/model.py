@@ -18,7 +18,7 @@ The optimizer routing is declared, not guessed: :meth:`K3Model.parameter_groups`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from typing import Any, overload
 
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .attention import GQAttention, MLAttention, build_attention
 from .attn_res import ResidualRead, inverse_rms
 from .balancer import QuantileBalancer
-from .cache import DecodeCache, Decoding, KDAState, KVCache, LatentCache
+from .cache import DecodeCache, Decoding
 from .checkpointing import CheckpointMode, check_mode, checkpointed
 from .config import K3Config
 from .flops import flops_per_token
@@ -80,15 +80,9 @@ class Block(nn.Module):
 
     def _mix_cached(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
                     decoding: Decoding) -> Tensor:
-        entry, step = decoding.cache.layers[self.index], decoding.step
-        if isinstance(self.attn, KimiDeltaAttention):
-            assert isinstance(entry, KDAState)
-            return self.attn.forward_cached(h, entry, step.real if step.padded else None)
-        if isinstance(self.attn, MLAttention):
-            assert isinstance(entry, LatentCache)
-            return self.attn.forward_cached(h, entry, step, rope)
-        assert isinstance(entry, KVCache) and rope is not None
-        return self.attn.forward_cached(h, entry, step, *rope)
+        entry = decoding.cache.layers[self.index]
+        out: Tensor = self.attn.forward_cached(h, entry, decoding.step, rope)  # type: ignore[arg-type]
+        return out
 
     def feed(self, x: Tensor) -> Tensor:
         """The MLP's output for ``x`` (pre-norm applied here)."""
@@ -266,20 +260,24 @@ class K3Model(nn.Module):
         logits: Tensor = self.lm_head(self.norm(h))
         return logits
 
-    def new_cache(self) -> DecodeCache:
-        """An empty decoding cache for :meth:`forward_cached` (one entry per layer)."""
-        return DecodeCache.empty(self.config)
+    def new_cache(self, capacity: int | None = None, static: bool = False) -> DecodeCache:
+        """An empty decoding cache for :meth:`forward_cached` (one entry per layer), its
+        per-token buffers allocated once to ``capacity`` positions (None: grown as
+        needed); ``static`` for CUDA graphs (see :mod:`k3_model.cache`)."""
+        return DecodeCache.empty(self.config, capacity, static)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, stop_ids: Iterable[int] = (),
-                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+                 on_token: Callable[[int, int], None] | None = None,
+                 timings: MutableMapping[str, float] | None = None) -> list[list[int]]:
         """New token ids for each prompt, decoded with the cache (see
         :func:`k3_model.generate.generate`)."""
         from .generate import generate
 
         return generate(self, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, stop_ids=stop_ids, on_token=on_token)
+                        top_p=top_p, seed=seed, stop_ids=stop_ids, on_token=on_token,
+                        timings=timings)
 
     def _run_layer(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
         """``layer(*args)``, under activation checkpointing when it is on and autograd

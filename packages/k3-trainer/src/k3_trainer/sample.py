@@ -11,7 +11,8 @@ on any device whose logits agree.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,9 +93,11 @@ def sample_tokens(model: nn.Module, prompt: Sequence[int], sampling: Sampling, *
 
 def context_room(prompt_tokens: int, max_new_tokens: int, max_seq_len: int) -> tuple[int, int]:
     """``(prompt tokens kept, new tokens)`` when decoding with a cache, which holds the whole
-    sequence: at most ``max_seq_len − 1`` new tokens, and the prompt's last tokens that
-    leave room for them."""
-    new_tokens = min(max_new_tokens, max_seq_len - 1)
+    sequence in ``max_seq_len``: the whole prompt and as many new tokens as fit after it;
+    but never fewer new tokens than half the window (or ``max_new_tokens``) — a prompt
+    that leaves less keeps its last tokens instead."""
+    new_tokens = min(max_new_tokens, max(max_seq_len - prompt_tokens,
+                                         min(max_new_tokens, max_seq_len // 2), 1))
     return min(prompt_tokens, max_seq_len - new_tokens), new_tokens
 
 
@@ -120,14 +123,16 @@ class TextStream:
 
 def sample_text(model: nn.Module, codec: Codec, prompt: str, sampling: Sampling, *,
                 max_seq_len: int, device: torch.device | str,
-                stream: TextStream | None = None) -> list[str]:
+                stream: TextStream | None = None,
+                timings: MutableMapping[str, float] | None = None) -> list[str]:
     """``sampling.num_samples`` texts, each ``prompt`` followed by a continuation.
 
     The context starts with the end-of-document token, as every document after the first
     does in the shards, and each sample stops when the model ends the document. With a
-    ``generate`` method the prompt keeps its last tokens that leave room for the new ones
-    in ``max_seq_len`` (the cache holds the whole sequence). ``stream`` (one sample only)
-    receives the tokens as they are produced.
+    ``generate`` method the prompt and the new tokens must fit in ``max_seq_len`` together
+    (the cache holds the whole sequence): see :func:`context_room`. ``stream`` (one sample
+    only) receives the tokens as they are produced; ``timings`` receives ``decode_s`` and
+    ``new_tokens`` (and ``prefill_s`` from a model's ``generate``).
     """
     ids = [codec.eod_id, *codec.encode_batch([prompt])[0].tolist()] if prompt else [codec.eod_id]
     generate = getattr(model, "generate", None)
@@ -139,12 +144,17 @@ def sample_text(model: nn.Module, codec: Codec, prompt: str, sampling: Sampling,
             continuations = generate([ids] * sampling.num_samples, new_tokens,
                                      temperature=sampling.temperature, top_k=sampling.top_k,
                                      top_p=sampling.top_p, seed=sampling.seed,
-                                     stop_ids=(codec.eod_id,), on_token=stream)
+                                     stop_ids=(codec.eod_id,), on_token=stream,
+                                     timings=timings)
         finally:
             restore_rng(rng)
     else:
+        began = time.perf_counter()
         continuations = [sample_tokens(model, ids, Sampling(
             sampling.max_new_tokens, sampling.temperature, sampling.top_k,
             sampling.seed + i, sampling.top_p), max_seq_len=max_seq_len, device=device,
             stop_id=codec.eod_id) for i in range(sampling.num_samples)]
+        if timings is not None:
+            timings["decode_s"] = time.perf_counter() - began
+            timings["new_tokens"] = sum(len(c) for c in continuations)
     return [prompt + codec.decode(new) for new in continuations]
