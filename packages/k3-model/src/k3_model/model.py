@@ -279,6 +279,16 @@ class K3Model(nn.Module):
                         top_p=top_p, seed=seed, stop_ids=stop_ids, on_token=on_token,
                         timings=timings)
 
+    def score_continuations(self, requests: Sequence[Any], *, batch_size: int = 8
+                            ) -> list[Any]:
+        """Log-likelihoods of each request's continuations given its context, the context
+        run once and its decoding state forked (see
+        :func:`k3_model.scoring.score_continuations`; a request is anything with
+        ``context`` and ``continuations`` token ids)."""
+        from .scoring import score_continuations
+
+        return score_continuations(self, requests, batch_size=batch_size)
+
     def _run_layer(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
         """``layer(*args)``, under activation checkpointing when it is on and autograd
         records (an eval or ``no_grad`` forward has nothing to save)."""

@@ -81,16 +81,38 @@ def score_continuations(model: CachedDecoder, requests: Sequence[Continuations],
     model.eval()
     try:
         out: list[Scored] = []
-        for start in range(0, len(requests), batch_size):
-            out.extend(_score_batch(model, requests[start:start + batch_size]))
+        for batch in _batches(requests, batch_size, model.config.max_seq_len):
+            out.extend(_score_batch(model, batch))
     finally:
         model.train(was_training)
     return out
 
 
-def _score_batch(model: CachedDecoder, requests: Sequence[Continuations]) -> list[Scored]:
+def _batches(requests: Sequence[Continuations], size: int, max_len: int
+             ) -> list[list[tuple[Continuations, tuple[list[int], int]]]]:
+    """Consecutive requests (with their context windows) grouped by at most ``size``, a
+    group closed early where its longest context and longest continuation would not fit
+    ``max_len`` together (the continuations run right-padded to the group's longest)."""
+    batches: list[list[tuple[Continuations, tuple[list[int], int]]]] = []
+    context = longest = 0
+    for request in requests:
+        window = _window(request, max_len)
+        width = max(len(c) for c in request.continuations)
+        grown = (max(context, len(window[0])), max(longest, width))
+        if batches and len(batches[-1]) < size and grown[0] + grown[1] - 1 <= max_len:
+            batches[-1].append((request, window))
+            context, longest = grown
+        else:
+            batches.append([(request, window)])
+            context, longest = len(window[0]), width
+    return batches
+
+
+def _score_batch(model: CachedDecoder,
+                 batch: list[tuple[Continuations, tuple[list[int], int]]]) -> list[Scored]:
     device = next(model.parameters()).device
-    windows = [_window(r, model.config.max_seq_len) for r in requests]
+    requests = [r for r, _ in batch]
+    windows = [w for _, w in batch]
     longest = max(len(c) for r in requests for c in r.continuations)
     cache, last = prefill(model, [w for w, _ in windows], device, room=longest - 1)
     counts = [len(r.continuations) for r in requests]

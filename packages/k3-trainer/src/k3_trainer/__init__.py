@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .callbacks import (
         Callback,
+        DownstreamEvaluator,
         LogLines,
         MetricsLog,
         ProfilerWindow,
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
     from .state import (
         TrainState,
     )
+    from .tasks import DownstreamTasks
     from .trainer import (
         Loaders,
         Trainer,
@@ -83,6 +85,8 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Callback": ".callbacks",
+    "DownstreamEvaluator": ".callbacks",
+    "DownstreamTasks": ".tasks",
     "Run": ".callbacks",
     "CheckpointWriteError": ".checkpoint",
     "Checkpointer": ".checkpoint",
@@ -153,6 +157,8 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DataExhausted",
+    "DownstreamEvaluator",
+    "DownstreamTasks",
     "EvalResult",
     "FP16SkipHarness",
     "K3TrainerModel",

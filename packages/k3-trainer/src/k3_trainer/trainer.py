@@ -509,6 +509,12 @@ class Trainer:
     def _event(self, name: str, **fields: Any) -> None:
         self.callbacks.event(self, event_record(name, **fields))
 
+    def emit(self, event: str, **fields: Any) -> None:
+        """Publish a ``metrics.jsonl`` event from a callback (an ``eval`` event of its own
+        results, say): every callback's hook for ``event`` sees it, metrics.jsonl records
+        it."""
+        self._event(event, **fields)
+
     def _training_batch(self) -> Batch:
         """The next training batch, or the fixed overfit batch (if that mode is on).
 

@@ -8,11 +8,13 @@ observer each.
 
 from ..observe.metrics import Record
 from .base import Callback, Callbacks, Run, callback_name, is_stateful
+from .downstream import DownstreamEvaluator
 from .metrics_log import MetricsLog
 from .profiler_window import ProfilerWindow
 from .progress import LogLines, ProgressBar
 from .report import Report
 from .tensorboard import TensorBoard
 
-__all__ = ["Callback", "Callbacks", "LogLines", "MetricsLog", "ProfilerWindow", "ProgressBar",
-           "Record", "Report", "Run", "TensorBoard", "callback_name", "is_stateful"]
+__all__ = ["Callback", "Callbacks", "DownstreamEvaluator", "LogLines", "MetricsLog",
+           "ProfilerWindow", "ProgressBar", "Record", "Report", "Run", "TensorBoard",
+           "callback_name", "is_stateful"]

@@ -41,8 +41,11 @@ class Run(Protocol):
     scaler: torch.amp.GradScaler
     checkpoint_path: Path | None
     checkpointer: Any
+    parallel: Any
+    """The data-parallel layout (:class:`~k3_trainer.distributed.Parallel`), or None."""
 
     def request_stop(self, signum: int = ...) -> None: ...
+    def emit(self, event: str, **fields: Any) -> None: ...
 
 
 _HOOK_OF_EVENT = {
@@ -140,7 +143,10 @@ class Callbacks:
 
     def event(self, trainer: Run, record: Record) -> None:
         """Hand a ``metrics.jsonl`` record to every callback's hook for its event."""
-        hook = _HOOK_OF_EVENT[record["event"]]
+        hook = _HOOK_OF_EVENT.get(record["event"])
+        if hook is None:
+            raise ValueError(f"unknown event {record['event']!r}; events: "
+                             f"{', '.join(_HOOK_OF_EVENT)}")
         for callback in self.items:
             getattr(callback, hook)(trainer, record)
 

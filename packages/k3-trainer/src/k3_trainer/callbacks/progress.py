@@ -13,12 +13,13 @@ from .base import Callback, Run
 
 class ProgressBar(Callback):
     """A tqdm bar on stderr: step of ``max_steps``, loss, tokens/s, the latest validation,
-    ETA."""
+    the latest downstream accuracies and ``core``, ETA."""
 
     def __init__(self) -> None:
         self.bar: Any = None
         self.training: dict[str, str] = {}
         self.validation: dict[str, str] = {}
+        self.downstream: dict[str, str] = {}
 
     def on_session_start(self, trainer: Run, record: Record) -> None:
         from tqdm import tqdm
@@ -34,14 +35,21 @@ class ProgressBar(Callback):
         self._show()
 
     def on_eval_end(self, trainer: Run, record: Record) -> None:
-        bpb = record.get("val_bpb")
-        self.validation = {"val_bpb": f"{bpb:.4f}"} if isinstance(bpb, float) else {
-            "val_loss": f"{_num(record.get('val_loss'), '.4f')}"}
+        downstream = record.get("downstream")
+        if isinstance(downstream, dict):
+            self.downstream = {**{name: f"{m['acc']:.3f}"
+                                  for name, m in downstream["tasks"].items()},
+                               "core": f"{downstream['core']:+.3f}"}
+        else:
+            bpb = record.get("val_bpb")
+            self.validation = {"val_bpb": f"{bpb:.4f}"} if isinstance(bpb, float) else {
+                "val_loss": f"{_num(record.get('val_loss'), '.4f')}"}
         self._show()
 
     def _show(self) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(**self.training, **self.validation, refresh=False)
+            self.bar.set_postfix(**self.training, **self.validation, **self.downstream,
+                                 refresh=False)
             self.bar.refresh()
 
     def on_session_end(self, trainer: Run, record: Record) -> None:
@@ -53,7 +61,7 @@ class ProgressBar(Callback):
 class LogLines(Callback):
     """Plain lines for a log file (nohup, a job log, CI), where a progress bar would print
     nothing useful: one per log window (step, loss, lr, tokens/s, elapsed, ETA) and one
-    per evaluation."""
+    per evaluation (validation, or downstream tasks)."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
@@ -74,6 +82,14 @@ class LogLines(Callback):
                   f"elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
 
     def on_eval_end(self, trainer: Run, record: Record) -> None:
+        downstream = record.get("downstream")
+        if isinstance(downstream, dict):
+            tasks = " | ".join(
+                f"{name} acc {m['acc']:.4f} acc_norm {m['acc_norm']:.4f} bpb {m['bpb']:.4f}"
+                for name, m in downstream["tasks"].items())
+            self._say(f"step {record['step']}/{trainer.config.max_steps} | {tasks} | core "
+                      f"{downstream['core']:+.4f}")
+            return
         bpb = record.get("val_bpb")
         tokens = record.get("val_tokens")
         self._say(f"step {record['step']}/{trainer.config.max_steps} | val_loss "

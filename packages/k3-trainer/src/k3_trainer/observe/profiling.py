@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-AUXILIARY = ("eval", "checkpoint", "log", "profile")
+AUXILIARY = ("eval", "downstream", "checkpoint", "log", "profile")
 MAX_TRACE_STEPS = 20  # a trace of more attempts is too large to open; refuse it
 
 

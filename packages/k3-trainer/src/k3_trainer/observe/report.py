@@ -53,7 +53,9 @@ def write_report(run_dir: str | Path) -> Path:
     if not metrics.is_file():
         raise ConfigError(f"{metrics} not found: {run_dir} is not a k3-train run directory")
     events = current(read_events(metrics))
-    train, evals = _series(events, "train"), _series(events, "eval")
+    train = _series(events, "train")
+    evals = _series([e for e in events if "val_loss" in e], "eval")
+    downstream = _series([e for e in events if isinstance(e.get("downstream"), dict)], "eval")
     if not train:
         raise ConfigError(f"{metrics} has no train events yet: nothing to plot")
     out = run_dir / REPORT_DIR
@@ -134,6 +136,7 @@ def write_report(run_dir: str | Path) -> Path:
          "Training tokens per second of each log window, attempts only (no evaluation or "
          "checkpoint time)."),
     ]
+    images += _downstream_plots(plot, downstream)
     last = train[-1]
     facts = [("steps", last["step"]), ("tokens seen", f"{last['tokens_seen']:,}"),
              ("last train loss", f"{last.get('loss', float('nan')):.4f}")]
@@ -141,6 +144,8 @@ def write_report(run_dir: str | Path) -> Path:
         facts.append(("last validation loss", f"{evals[-1].get('val_loss', float('nan')):.4f}"))
         if isinstance(evals[-1].get("val_bpb"), float):
             facts.append(("last validation bits per byte", f"{evals[-1]['val_bpb']:.4f}"))
+    if downstream:
+        facts.append(("last downstream core", f"{downstream[-1]['downstream']['core']:+.4f}"))
     if last.get("mfu") is not None:
         facts.append(("MFU (last window)", f"{last['mfu']:.1%}"))
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
@@ -161,6 +166,41 @@ def write_report(run_dir: str | Path) -> Path:
         f"{_configuration(run_dir)}{figures}</body></html>\n"
     )
     return index
+
+
+def _downstream_plots(plot: Any, events: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One plot per downstream task (acc and acc_norm), one of every task's bpb, and one of
+    ``core``; nothing for a run without downstream events."""
+    if not events:
+        return []
+    steps = [e["step"] for e in events]
+    tasks = sorted({name for e in events for name in e["downstream"]["tasks"]})
+
+    def series(task: str, key: str) -> list[Any]:
+        return [e["downstream"]["tasks"].get(task, {}).get(key) for e in events]
+
+    images = [(plot(f"downstream_{_file_name(task)}", f"Downstream: {task}", "accuracy",
+                    [("acc", steps, series(task, "acc")),
+                     ("acc_norm", steps, series(task, "acc_norm"))]),
+               f"{task}: accuracy of the ranked choices on the same "
+               f"{series(task, 'docs')[-1]} documents at every evaluation (acc: the largest "
+               "summed log-likelihood; acc_norm: per character of the continuation).")
+              for task in tasks]
+    images.append((plot("downstream_bpb", "Downstream: bits per byte of the gold answers",
+                        "bits per UTF-8 byte",
+                        [(task, steps, series(task, "bpb")) for task in tasks]),
+                   "Bits per UTF-8 byte of each task's gold continuations: moves smoothly "
+                   "long before accuracy leaves chance."))
+    images.append((plot("downstream_core", "Downstream: core (mean centered accuracy)",
+                        "centered accuracy (0 = chance)",
+                        [("core", steps, [e["downstream"]["core"] for e in events])]),
+                   "The mean over the tasks of (acc − chance) / (1 − chance): 0 at chance, 1 "
+                   "when perfect (nanochat's CORE construction over these tasks only)."))
+    return images
+
+
+def _file_name(task: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in task)
 
 
 def _configuration(run_dir: Path) -> str:

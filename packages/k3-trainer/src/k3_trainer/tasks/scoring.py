@@ -1,0 +1,208 @@
+"""Scoring a task: every choice's log-likelihood given its context, then the metrics.
+
+Encoding follows lm-eval: a choice's context is encoded alone, ``context + continuation``
+is encoded whole and split at the context's length (so a BPE merge across the boundary
+is the continuation's), and the context is preceded by the document-start token when the
+model was trained on documents that begin with it (``bos``: the end-of-document token of
+today's data, as ``k3-train sample`` does). A model with a ``score_continuations``
+method (K3's: each distinct context runs once and its decoding state is forked for its
+continuations) scores through it; any other model runs one forward per choice.
+
+Metrics (per task, over its documents):
+
+- ``acc``: the choice with the largest summed log-likelihood is the gold one (lm-eval's).
+- ``acc_norm``: the same with each log-likelihood divided by its continuation's length in
+  characters (lm-eval's ``acc_norm``, OLMo's ``acc_per_char``).
+- ``bpb``: bits per UTF-8 byte of the gold continuations, ``Σ −log p(gold) / (ln 2 ·
+  Σ bytes)`` over the documents (like ``val_bpb``, every byte weighs the same).
+- ``centered_acc``: ``(acc − b) / (1 − b)`` with ``b`` the chance accuracy (the mean of
+  ``1/k`` over documents of k choices): 0 at chance, 1 when perfect (nanochat's centering).
+
+And over the tasks asked, ``core``: the mean ``centered_acc`` (nanochat's CORE
+construction over whichever tasks were asked; not comparable with nanochat's 22-task
+number).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import Codec
+from .catalog import Document, Task, TaskError
+
+SUMS = ("correct", "correct_norm", "gold_nll", "gold_bytes", "chance", "docs", "skipped")
+"""What a task's metrics are made of, summed over documents (and over ranks)."""
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One document: each choice's log-likelihood (natural log) and the picks."""
+
+    id: Any
+    gold: int
+    logliks: tuple[float, ...]
+    lengths: tuple[int, ...]  # each continuation's characters
+    gold_bytes: int
+    dropped: int  # context tokens left out to fit the window (the most of any choice)
+
+    @property
+    def pred(self) -> int:
+        return max(range(len(self.logliks)), key=lambda i: self.logliks[i])
+
+    @property
+    def pred_norm(self) -> int:
+        return max(range(len(self.logliks)),
+                   key=lambda i: self.logliks[i] / max(self.lengths[i], 1))
+
+    def sums(self) -> list[float]:
+        """This document's share of :data:`SUMS`."""
+        return [float(self.pred == self.gold), float(self.pred_norm == self.gold),
+                -self.logliks[self.gold], float(self.gold_bytes), 1.0 / len(self.logliks),
+                1.0, 0.0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "gold": self.gold, "logliks": list(self.logliks),
+                "pred": self.pred, **({"dropped": self.dropped} if self.dropped else {})}
+
+
+def metrics(sums: Sequence[float]) -> dict[str, float]:
+    """``acc``, ``acc_norm``, ``bpb``, ``centered_acc`` and ``docs`` from summed
+    :data:`SUMS` (and ``skipped`` when documents were)."""
+    total = dict(zip(SUMS, sums))
+    docs = total["docs"]
+    if not docs:
+        raise TaskError(f"no document could be scored ({int(total['skipped'])} skipped: "
+                        "their continuations are longer than the model's window)")
+    acc, chance = total["correct"] / docs, total["chance"] / docs
+    found = {"acc": acc, "acc_norm": total["correct_norm"] / docs,
+             "bpb": total["gold_nll"] / (math.log(2) * max(total["gold_bytes"], 1.0)),
+             "centered_acc": (acc - chance) / (1.0 - chance), "docs": int(docs)}
+    if total["skipped"]:
+        found["skipped"] = int(total["skipped"])
+    return found
+
+
+def core(results: dict[str, dict[str, float]]) -> float:
+    """The mean ``centered_acc`` over the tasks' metrics."""
+    return sum(m["centered_acc"] for m in results.values()) / len(results)
+
+
+def encode_choice(codec: Codec, context: str, continuation: str, bos: int | None
+                  ) -> tuple[list[int], list[int]]:
+    """``(context ids, continuation ids)`` as lm-eval splits them, the context preceded by
+    ``bos`` when given."""
+    head = [int(t) for t in codec.encode_batch([context])[0]]
+    whole = [int(t) for t in codec.encode_batch([context + continuation])[0]]
+    tail = whole[len(head):] or [int(t) for t in codec.encode_batch([continuation])[0]]
+    return ([bos] if bos is not None else []) + head, tail
+
+
+def encode_documents(codec: Codec, task: Task, documents: Sequence[Document], *,
+                     vocab_size: int, bos: int | None
+                     ) -> list[list[tuple[list[int], list[int]]]]:
+    """Each document's choices encoded (:func:`encode_choice`); refuses a document the
+    model's vocabulary cannot hold."""
+    encoded = []
+    for doc in documents:
+        pairs = [encode_choice(codec, c, k, bos) for c, k in zip(doc.contexts,
+                                                                    doc.continuations)]
+        for context, continuation in pairs:
+            bad = [t for t in (*context, *continuation) if not 0 <= t < vocab_size]
+            if bad:
+                raise TaskError(f"task {task.name}: the model's vocabulary ({vocab_size} "
+                                f"tokens) cannot encode document {doc.id!r} (token id "
+                                f"{bad[0]}); the tokenizer and the model disagree")
+        encoded.append(pairs)
+    return encoded
+
+
+def score_documents(model: nn.Module, codec: Codec, task: Task, documents: Sequence[Document],
+                    *, vocab_size: int, max_len: int, bos: int | None, batch_size: int = 16
+                    ) -> tuple[list[Scored], int]:
+    """Each document's choices scored (see the module docstring), and how many documents
+    were skipped because a continuation alone is longer than the model's window
+    ``max_len`` (no context could be kept for it)."""
+    encoded = encode_documents(codec, task, documents, vocab_size=vocab_size, bos=bos)
+    fits = [all(len(k) <= max_len for _, k in pairs) for pairs in encoded]
+    kept = [d for d, ok in zip(documents, fits) if ok]
+    requests, where = _requests([e for e, ok in zip(encoded, fits) if ok])
+    scored = _score(model, requests, batch_size)
+    out = []
+    for doc, places in zip(kept, where):
+        logliks = tuple(scored[r].logliks[c] for r, c in places)
+        dropped = max(scored[r].dropped for r, _ in places)
+        out.append(Scored(doc.id, doc.gold, logliks, tuple(len(k) for k in doc.continuations),
+                          len(doc.continuations[doc.gold].encode("utf-8")), dropped))
+    return out, len(documents) - len(kept)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One context and its continuations (token ids), as a model's
+    ``score_continuations`` reads them."""
+
+    context: list[int]
+    continuations: list[list[int]]
+
+
+def _requests(encoded: list[list[tuple[list[int], list[int]]]]
+              ) -> tuple[list[_Request], list[list[tuple[int, int]]]]:
+    """One request per distinct context of a document (most share one; Winogrande's
+    choices differ in context), and where each choice's score lands: (request, index)."""
+    contexts: list[list[int]] = []
+    continuations: list[list[list[int]]] = []
+    where: list[list[tuple[int, int]]] = []
+    for pairs in encoded:
+        by_context: dict[tuple[int, ...], int] = {}
+        places = []
+        for context, continuation in pairs:
+            at = by_context.setdefault(tuple(context), len(contexts))
+            if at == len(contexts):
+                contexts.append(context)
+                continuations.append([])
+            places.append((at, len(continuations[at])))
+            continuations[at].append(continuation)
+        where.append(places)
+    return [_Request(c, k) for c, k in zip(contexts, continuations)], where
+
+
+@dataclass(frozen=True)
+class _Loglik:
+    logliks: list[float]
+    dropped: int
+
+
+def _score(model: nn.Module, requests: list[_Request], batch_size: int) -> list[Any]:
+    scorer = getattr(model, "score_continuations", None)
+    if callable(scorer):
+        found: list[Any] = scorer(requests, batch_size=batch_size)
+        return found
+    return [_score_by_forward(model, r) for r in requests]
+
+
+@torch.no_grad()
+def _score_by_forward(model: nn.Module, request: _Request) -> _Loglik:
+    """One forward of context + continuation per choice (a model without a cache)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        sums = []
+        for continuation in request.continuations:
+            ids = torch.tensor([[*request.context, *continuation][:-1]], device=device)
+            out = model(ids)
+            logits: torch.Tensor = out[0] if isinstance(out, tuple) else out
+            logprobs = F.log_softmax(logits[0, len(request.context) - 1:].float(), dim=-1)
+            target = torch.tensor(list(continuation), device=device)
+            sums.append(float(logprobs.gather(-1, target[:, None]).sum()))
+    finally:
+        model.train(was_training)
+    return _Loglik(sums, 0)
+

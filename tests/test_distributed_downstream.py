@@ -1,0 +1,51 @@
+"""Downstream tasks in a 2-rank run (torchrun, gloo): each rank scores a share of the
+documents and the sums are combined, so the numbers equal one process scoring the same
+checkpoint (``k3-train eval --tasks``); under FSDP2 the shards are gathered for the
+evaluation and training goes on sharded. Deselect with ``-m 'not distributed'``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from harness import k3_train, toml_text
+from test_distributed_training import _run, needs_torchrun
+
+STEPS, LIMIT = 4, 6
+
+
+@pytest.mark.distributed
+@needs_torchrun
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_score_the_tasks_as_one_process_does(parallel, tmp_path, data_dir):
+    def train(name: str, **downstream: object) -> tuple[Path, list[dict]]:
+        config = tmp_path / f"{name}.toml"
+        config.write_text(toml_text(train={"batch_size": 2, "checkpoint_interval": 2,
+                                           **downstream}))
+        run_dir = tmp_path / name
+        done = _run([sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", run_dir,
+                     "--data", data_dir, "--config", config, "--max-steps", STEPS,
+                     "--parallel", parallel, "--nproc", 2], timeout=300)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return run_dir, [json.loads(line) for line in
+                         (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    run_dir, events = train("scored", downstream="arc_easy,winogrande",
+                            downstream_interval=2, downstream_limit=LIMIT)
+    downstream = [e for e in events if e["event"] == "eval" and "downstream" in e]
+    assert [e["step"] for e in downstream] == [2, 4]
+    # Scoring changed nothing of the training: the same losses as a run without it.
+    _, plain = train("plain")
+    assert [e["loss"] for e in events if e["event"] == "train"] == \
+        [e["loss"] for e in plain if e["event"] == "train"]
+    out = tmp_path / "one.json"
+    alone = k3_train("eval", "--run-dir", run_dir, "--tasks", "arc_easy,winogrande",
+                     "--limit", LIMIT, "--output", out)
+    assert alone.returncode == 0, alone.stderr
+    written = json.loads(out.read_text())
+    for name, found in downstream[-1]["downstream"]["tasks"].items():
+        assert found["docs"] == LIMIT
+        assert written["tasks"][name]["metrics"] == pytest.approx(found, rel=1e-6)
+    assert written["core"] == pytest.approx(downstream[-1]["downstream"]["core"], rel=1e-6)
