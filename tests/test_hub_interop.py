@@ -26,7 +26,7 @@ import torch
 from k3_model.hub import load_pretrained
 from k3_trainer.cli import main
 
-pytest.importorskip("transformers")  # what the integration environment pins
+transformers = pytest.importorskip("transformers")  # what the integration environment pins
 
 BIN = "Scripts" if sys.platform == "win32" else "bin"
 PROMPT = "def main("
@@ -104,7 +104,8 @@ def test_an_export_loads_with_only_transformers_and_safetensors(tmp_path, data_d
                             env=env).stdout.strip().splitlines()[-1])
 
     assert found["class"] == "KimiLinearForCausalLM"
-    assert found["prompt_ids"] == list(PROMPT.encode()) == found["k3_prompt_ids"]
+    # a text begins as the run's documents do: after the end-of-document token
+    assert found["prompt_ids"] == [0xFF, *PROMPT.encode()] == found["k3_prompt_ids"]
     assert found["eos"] == 0xFF
     ours = load_pretrained(tmp_path / "linear-hub", kda_backend="torch")
     assert found["new_ids"] == _greedy(ours, found["prompt_ids"], 24)
@@ -120,3 +121,40 @@ def _tensor_names(folder: Path) -> list[str]:
         with safe_open(str(shard), framework="pt") as f:
             names.extend(f.keys())
     return names
+
+
+PROMPTS = ["def main(", "The ", "import os\n"]
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory):
+    """The built-in corpus with a small BPE trained on it."""
+    out = tmp_path_factory.mktemp("bpe") / "data"
+    assert main(["prepare", "--out", str(out), "--train-tokenizer", "512"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_transformers_continues_a_prompt_as_k3_train_sample_does(tokenizer, tmp_path,
+                                                                 data_dir, bpe_data, capsys):
+    """The README's lines, used as they are: the exported tokenizer puts the document start
+    in front of the prompt as ``sample`` does, so greedy text is the same."""
+    data = data_dir if tokenizer == "bytes" else bpe_data
+    run, out = tmp_path / "run", tmp_path / "hub"
+    assert main(["train", "--run-dir", str(run), "--data", str(data), "--preset",
+                 "kimi-linear-tiny", "--max-steps", "15", "--batch-size", "8",
+                 "--eval-batches", "1"]) == 0
+    assert main(["export", "--run-dir", str(run), "--out", str(out)]) == 0
+    auto_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        capsys.readouterr()
+        assert main(["sample", "--run-dir", str(run), "--prompt", prompt, "--max-new-tokens",
+                     "24", "--temperature", "0"]) == 0
+        ours = capsys.readouterr().out.removesuffix("\n")
+        ids = auto_tokenizer(prompt, return_tensors="pt").input_ids
+        assert ids[0, 0].item() == auto_tokenizer.bos_token_id  # the document start
+        generated = model.generate(ids, max_new_tokens=24, do_sample=False)
+        theirs = prompt + auto_tokenizer.decode(generated[0, ids.shape[1]:],
+                                                skip_special_tokens=True)
+        assert theirs == ours, prompt

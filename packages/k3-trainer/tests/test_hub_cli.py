@@ -13,7 +13,7 @@ from trainer_helpers import cli_run, small_toml
 from k3_model.hub import load_pretrained
 from k3_trainer.cli import main
 from k3_trainer.cli.build import build_trainer
-from k3_trainer.cli.hub import byte_tokenizer_json
+from k3_trainer.cli.hub import byte_tokenizer_json, folder_codec, folder_spec
 from k3_trainer.cli.options import TrainCommand
 from k3_trainer.cli.resolve import resolve
 from k3_trainer.config import ConfigError
@@ -48,9 +48,18 @@ def test_export_writes_the_weights_tokenizer_and_generation_config(run):
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0xFF
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == \
         "<|endoftext|>"
-    assert (out / "tokenizer.json").read_text() == byte_tokenizer_json()
+    import tokenizers
+
+    # the byte-level file, which encodes a text as it begins a document of the run
+    shipped = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "def main(): é"
+    assert shipped.encode(text).ids == [0xFF, *text.encode()]  # the document start first
+    assert shipped.encode(text, add_special_tokens=False).ids == list(text.encode())
+    assert isinstance(folder_codec(out, folder_spec(out)), BytesCodec)
     config = json.loads((out / "config.json").read_text())
+    assert config["bos_token_id"] == 0xFF
     assert config["model_type"] == "kimi_k3" and config["eos_token_id"] == 0xFF
+    assert config["bos_token_id"] == 0xFF
     model = load_pretrained(out)
     tensors = load_file(out / "model.safetensors")
     assert torch.equal(tensors["language_model.model.embed_tokens.weight"], model.embed.weight)

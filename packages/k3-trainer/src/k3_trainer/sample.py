@@ -20,7 +20,7 @@ from torch import nn
 
 from k3_checkpoint import capture_rng, restore_rng
 
-from .data import Codec
+from .data import Codec, document_start
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,16 @@ def sample_text(model: nn.Module, codec: Codec, prompt: str, sampling: Sampling,
                 timings: MutableMapping[str, float] | None = None) -> list[str]:
     """``sampling.num_samples`` texts, each ``prompt`` followed by a continuation.
 
-    The context starts with the end-of-document token, as every document after the first
-    does in the shards, and each sample stops when the model ends the document. With a
+    The context starts with :func:`~k3_trainer.data.document_start` (the end-of-document
+    token, as every document after the first does in the shards), and each sample stops
+    when the model ends the document. With a
     ``generate`` method the prompt and the new tokens must fit in ``max_seq_len`` together
     (the cache holds the whole sequence): see :func:`context_room`. ``stream`` (one sample
     only) receives the tokens as they are produced; ``timings`` receives ``decode_s`` and
     ``new_tokens`` (and ``prefill_s`` from a model's ``generate``).
     """
-    ids = [codec.eod_id, *codec.encode_batch([prompt])[0].tolist()] if prompt else [codec.eod_id]
+    start = document_start(codec)
+    ids = [start, *codec.encode_batch([prompt])[0].tolist()] if prompt else [start]
     generate = getattr(model, "generate", None)
     if callable(generate):
         kept, new_tokens = context_room(len(ids), sampling.max_new_tokens, max_seq_len)

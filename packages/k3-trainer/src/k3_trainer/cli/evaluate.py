@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..data import document_start
 from ..evaluation import evaluate_split
 from ..tasks import DownstreamTasks, parse_tasks, summary
 from .build import checkpoint_at, parse_device, pretrained, restore
@@ -78,7 +79,7 @@ def _tasks(command: EvalCommand, device: Any) -> int:
     vocab, max_len = (getattr(config, "vocab_size", None), getattr(config, "max_seq_len", None))
     if not isinstance(vocab, int) or not isinstance(max_len, int):
         raise ConfigError("--tasks: the model declares no vocab_size or max_seq_len")
-    tasks = DownstreamTasks(names, codec, limit=command.limit, bos=codec.eod_id)
+    tasks = DownstreamTasks(names, codec, limit=command.limit, bos=document_start(codec))
     tasks.check(vocab)
     results = tasks.evaluate(model, vocab_size=vocab, max_len=max_len)
     totals = summary(results)
@@ -97,7 +98,7 @@ def _tasks(command: EvalCommand, device: Any) -> int:
                   f"a continuation alone is longer than the model's window ({max_len} tokens)",
                   file=sys.stderr)
     if command.output is not None:
-        _write_json(command.output, {"tasks": {n: r.to_json() for n, r in results.items()},
+        write_json(command.output, {"tasks": {n: r.to_json() for n, r in results.items()},
                                      "core": totals["core"]})
     return 0
 
@@ -110,7 +111,7 @@ def format_task(name: str, metrics: dict[str, float]) -> str:
             + (f", {int(metrics['skipped'])} skipped" if metrics.get("skipped") else "") + ")")
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """``data`` as JSON at ``path``, atomically (a partial file is never left)."""
     temporary = path.with_name(path.name + ".tmp")
     try:
@@ -121,4 +122,4 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         raise ConfigError(f"--output {path}: cannot write it ({error.strerror})") from None
 
 
-__all__ = ["format_task", "run"]
+__all__ = ["format_task", "run", "write_json"]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..data import Codec
+from ..data import Codec, document_start
 from ..data.tokenizer import (
     BYTES_EOD,
     TOKENIZER_FILE,
@@ -58,13 +58,28 @@ def _tokenizer_json(codec: Codec) -> str:
     return codec.json_text if isinstance(codec, HFCodec) else byte_tokenizer_json()
 
 
+def _starting_documents(json_text: str, token: str, token_id: int) -> str:
+    """``json_text`` with a post-processor that puts ``token`` in front of every encoded
+    text (``tokenizer(text)`` with special tokens, transformers' default), the document
+    start :func:`~k3_trainer.data.document_start` feeds the model."""
+    tk = require_tokenizers()
+    tokenizer = tk.Tokenizer.from_str(json_text)
+    tokenizer.post_processor = tk.processors.TemplateProcessing(
+        single=f"{token} $A", pair=f"{token} $A {token} $B:1",
+        special_tokens=[(token, token_id)])
+    return str(tokenizer.to_str())
+
+
 def tokenizer_files(codec: Codec, max_length: int) -> dict[str, str]:
-    """``tokenizer.json`` and ``tokenizer_config.json`` for the run's tokenizer."""
+    """``tokenizer.json`` and ``tokenizer_config.json`` for the run's tokenizer: a text
+    begins as the model's documents do (:func:`~k3_trainer.data.document_start`, the
+    end-of-document token, which is also the config's ``bos_token``)."""
     name = codec.eod_token if isinstance(codec, HFCodec) else BYTE_EOD_NAME
+    start = document_start(codec)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name,
               "eos_token": name, "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
-    return {TOKENIZER_FILE: _tokenizer_json(codec),
+    return {TOKENIZER_FILE: _starting_documents(_tokenizer_json(codec), name, start),
             TOKENIZER_CONFIG: json.dumps(config, indent=2) + "\n"}
 
 
@@ -115,10 +130,17 @@ def _tokenizer_text(folder: Path) -> str | None:
 
 
 def _same_tokenizer(a: str, b: str) -> bool:
+    """Whether two tokenizer files encode text to the same ids: equal but for the
+    post-processor (an export adds the document start there; ids of the text itself, as
+    prepare encodes it, do not depend on it)."""
     try:
-        return bool(json.loads(a) == json.loads(b))
+        left, right = json.loads(a), json.loads(b)
     except json.JSONDecodeError:
         return a == b
+    if isinstance(left, dict) and isinstance(right, dict):
+        left, right = ({k: v for k, v in side.items() if k != "post_processor"}
+                       for side in (left, right))
+    return bool(left == right)
 
 
 def folder_codec(folder: Path, spec: ModelSpec) -> Codec:

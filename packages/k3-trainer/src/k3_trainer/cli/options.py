@@ -233,6 +233,28 @@ class ReportCommand:
 
 
 @dataclass(frozen=True)
+class LmEvalCommand:
+    model: Path = option(metavar="PATH")
+    """a k3-train run directory (its latest checkpoint) or a hub folder"""
+    tasks: str = option(metavar="T1,T2")
+    """lm-eval task names (its own, or those of --include-path)"""
+    step: int | None = option(None, parse=non_negative_int, metavar="N")
+    """with a run directory: its checkpoint of step N instead of the latest"""
+    include_path: Path | None = option(None, metavar="DIR")
+    """a folder of lm-eval task YAML files (local tasks, offline)"""
+    limit: int | None = option(None, parse=positive_int, metavar="N")
+    """the first N documents of each task"""
+    num_fewshot: int | None = option(None, parse=non_negative_int, metavar="K")
+    """few-shot examples per question (default: each task's own)"""
+    batch_size: int = option(8, parse=positive_int, metavar="N")
+    """contexts scored per batch"""
+    output: Path | None = option(None, metavar="FILE")
+    """write lm-eval's results (and configs) to FILE as JSON"""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
+
+
+@dataclass(frozen=True)
 class Subcommand:
     """One row of the table: its options, its one-line help, the module that runs it (a
     ``run(options, notes)`` in :mod:`k3_trainer.cli`, imported once the arguments parse)."""
@@ -256,4 +278,6 @@ COMMANDS: dict[str, Subcommand] = {
                           "inspect"),
     "report": Subcommand(ReportCommand, "plot a run's metrics into RUN_DIR/report/",
                          "report"),
+    "lm-eval": Subcommand(LmEvalCommand, "score a run or a hub folder with "
+                          "lm-evaluation-harness (the k3 backend; needs lm-eval)", "lm_eval"),
 }

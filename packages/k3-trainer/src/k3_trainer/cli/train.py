@@ -17,7 +17,7 @@ from ..callbacks.downstream import DownstreamEvaluator
 from ..checkpoint import HISTORY, CheckpointHistory, run_history
 from ..checkpoint.policy import PHASE_MAY_CHANGE
 from ..config import ConfigError
-from ..data import load_codec
+from ..data import document_start, load_codec
 from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
@@ -150,7 +150,7 @@ def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:
     data_dir = plan.sources[0].path if plan.sources else plan.data_dir
     codec = load_codec(data_dir, read_manifest(data_dir))
     tasks = DownstreamTasks(parse_tasks(config.downstream), codec,
-                            limit=config.downstream_limit, bos=codec.eod_id)
+                            limit=config.downstream_limit, bos=document_start(codec))
     return DownstreamEvaluator(tasks, config.downstream_interval or config.eval_interval,
                                vocab_size=vocab,
                                max_len=max_seq_len_of(plan.model_config, config))

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .options import PrepareOptions, default_workers
     from .prepare import builtin_corpus, describe_prepared, prepare_dataset
     from .protocol import BatchLoader
-    from .tokenizer import BytesCodec, Codec, HFCodec, load_codec
+    from .tokenizer import BytesCodec, Codec, HFCodec, document_start, load_codec
 
 _EXPORTS = {
     "DataError": ".loader", "DataExhausted": ".loader", "TokenDataLoader": ".loader",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "builtin_corpus": ".prepare", "describe_prepared": ".prepare",
     "prepare_dataset": ".prepare",
     "BytesCodec": ".tokenizer", "Codec": ".tokenizer", "HFCodec": ".tokenizer",
-    "load_codec": ".tokenizer",
+    "load_codec": ".tokenizer", "document_start": ".tokenizer",
 }
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "check_vocab_fits",
     "default_workers",
     "describe_prepared",
+    "document_start",
     "load_codec",
     "prepare_dataset",
     "read_manifest",

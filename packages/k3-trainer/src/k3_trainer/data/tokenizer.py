@@ -180,6 +180,14 @@ class HFCodec(Codec):
                 "special_ids": self.special_ids()}
 
 
+def document_start(codec: Codec) -> int:
+    """The token a text begins with, as training saw documents: prepared shards separate
+    documents with the end-of-document token, so every document after the first begins
+    right after it. ``k3-train sample``, ``eval --tasks``, ``--downstream`` and the exported
+    tokenizer (its ``tokenizer(text)``) all put it in front of a text."""
+    return codec.eod_id
+
+
 def codec_from_spec(spec: dict[str, Any]) -> Codec:
     if spec["kind"] == "bytes":
         return BytesCodec()

@@ -96,9 +96,13 @@ def core(results: dict[str, dict[str, float]]) -> float:
 
 def encode_choice(codec: Codec, context: str, continuation: str, bos: int | None
                   ) -> tuple[list[int], list[int]]:
-    """``(context ids, continuation ids)`` as lm-eval splits them, the context preceded by
-    ``bos`` when given."""
-    head = [int(t) for t in codec.encode_batch([context])[0]]
+    """``(context ids, continuation ids)`` as lm-eval splits them (a context's trailing
+    whitespace moves to the continuation; the context alone, then context + continuation
+    whole, split at the context's length), the context preceded by ``bos`` when given."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    head = [int(t) for t in codec.encode_batch([context])[0]] if context else []
     whole = [int(t) for t in codec.encode_batch([context + continuation])[0]]
     tail = whole[len(head):] or [int(t) for t in codec.encode_batch([continuation])[0]]
     return ([bos] if bos is not None else []) + head, tail
@@ -131,16 +135,27 @@ def score_documents(model: nn.Module, codec: Codec, task: Task, documents: Seque
     ``max_len`` (no context could be kept for it)."""
     encoded = encode_documents(codec, task, documents, vocab_size=vocab_size, bos=bos)
     fits = [all(len(k) <= max_len for _, k in pairs) for pairs in encoded]
-    kept = [d for d, ok in zip(documents, fits) if ok]
-    requests, where = _requests([e for e, ok in zip(encoded, fits) if ok])
-    scored = _score(model, requests, batch_size)
+    kept = [(d, pairs) for d, pairs, ok in zip(documents, encoded, fits) if ok]
+    scored = iter(score_pairs(model, [p for _, pairs in kept for p in pairs], max_len=max_len,
+                              batch_size=batch_size))
     out = []
-    for doc, places in zip(kept, where):
-        logliks = tuple(scored[r].logliks[c] for r, c in places)
-        dropped = max(scored[r].dropped for r, _ in places)
-        out.append(Scored(doc.id, doc.gold, logliks, tuple(len(k) for k in doc.continuations),
-                          len(doc.continuations[doc.gold].encode("utf-8")), dropped))
+    for doc, pairs in kept:
+        choices = [next(scored) for _ in pairs]
+        out.append(Scored(doc.id, doc.gold, tuple(c.loglik for c in choices),
+                          tuple(len(k) for k in doc.continuations),
+                          len(doc.continuations[doc.gold].encode("utf-8")),
+                          max(c.dropped for c in choices)))
     return out, len(documents) - len(kept)
+
+
+@dataclass(frozen=True)
+class PairScore:
+    """One (context, continuation): its summed log-likelihood, whether every token is the
+    most likely one, and the context tokens left out to fit the window."""
+
+    loglik: float
+    greedy: bool
+    dropped: int
 
 
 @dataclass(frozen=True)
@@ -152,39 +167,39 @@ class _Request:
     continuations: list[list[int]]
 
 
-def _requests(encoded: list[list[tuple[list[int], list[int]]]]
-              ) -> tuple[list[_Request], list[list[tuple[int, int]]]]:
-    """One request per distinct context of a document (most share one; Winogrande's
-    choices differ in context), and where each choice's score lands: (request, index)."""
-    contexts: list[list[int]] = []
-    continuations: list[list[list[int]]] = []
-    where: list[list[tuple[int, int]]] = []
-    for pairs in encoded:
-        by_context: dict[tuple[int, ...], int] = {}
-        places = []
-        for context, continuation in pairs:
-            at = by_context.setdefault(tuple(context), len(contexts))
-            if at == len(contexts):
-                contexts.append(context)
-                continuations.append([])
-            places.append((at, len(continuations[at])))
-            continuations[at].append(continuation)
-        where.append(places)
-    return [_Request(c, k) for c, k in zip(contexts, continuations)], where
+def score_pairs(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], *,
+                max_len: int, batch_size: int = 16) -> list[PairScore]:
+    """Each (context ids, continuation ids) scored, in order. A pair longer than the
+    model's window ``max_len`` keeps its context's last tokens, as lm-eval truncates each
+    pair (the continuation's last token is predicted, never read). Pairs whose (kept)
+    contexts are the same (a question's choices) are one request, so a model with
+    ``score_continuations`` runs that context once; a model without it runs one forward
+    per pair."""
+    requests: list[_Request] = []
+    where: list[tuple[int, int]] = []
+    dropped: list[int] = []
+    index: dict[tuple[int, ...], int] = {}
+    for context, continuation in pairs:
+        keep = min(len(context), max(max_len - (len(continuation) - 1), 1))
+        dropped.append(len(context) - keep)
+        context = context[len(context) - keep:]
+        at = index.setdefault(tuple(context), len(requests))
+        if at == len(requests):
+            requests.append(_Request(list(context), []))
+        where.append((at, len(requests[at].continuations)))
+        requests[at].continuations.append(list(continuation))
+    scorer = getattr(model, "score_continuations", None)
+    scored = scorer(requests, batch_size=batch_size) if callable(scorer) else \
+        [_score_by_forward(model, r) for r in requests]
+    return [PairScore(scored[r].logliks[c], bool(scored[r].greedy[c]), drop)
+            for (r, c), drop in zip(where, dropped)]
 
 
 @dataclass(frozen=True)
 class _Loglik:
     logliks: list[float]
+    greedy: list[bool]
     dropped: int
-
-
-def _score(model: nn.Module, requests: list[_Request], batch_size: int) -> list[Any]:
-    scorer = getattr(model, "score_continuations", None)
-    if callable(scorer):
-        found: list[Any] = scorer(requests, batch_size=batch_size)
-        return found
-    return [_score_by_forward(model, r) for r in requests]
 
 
 @torch.no_grad()
@@ -194,7 +209,7 @@ def _score_by_forward(model: nn.Module, request: _Request) -> _Loglik:
     was_training = model.training
     model.eval()
     try:
-        sums = []
+        sums, greedy = [], []
         for continuation in request.continuations:
             ids = torch.tensor([[*request.context, *continuation][:-1]], device=device)
             out = model(ids)
@@ -202,7 +217,7 @@ def _score_by_forward(model: nn.Module, request: _Request) -> _Loglik:
             logprobs = F.log_softmax(logits[0, len(request.context) - 1:].float(), dim=-1)
             target = torch.tensor(list(continuation), device=device)
             sums.append(float(logprobs.gather(-1, target[:, None]).sum()))
+            greedy.append(bool((logprobs.argmax(-1) == target).all()))
     finally:
         model.train(was_training)
-    return _Loglik(sums, 0)
-
+    return _Loglik(sums, greedy, 0)
