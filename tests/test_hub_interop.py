@@ -7,7 +7,8 @@ environment with only torch, transformers and safetensors.
    does, and greedy ``generate`` gives the same 24 tokens as our model.
 2. The demo's own model (``tiny``, K3's additions) is exported in the Kimi K3 form, which
    transformers has no model class for: there ``safetensors`` reads every tensor,
-   ``AutoTokenizer`` reads the tokenizer, and the config is valid JSON naming ``kimi_k3``.
+   ``AutoTokenizer`` reads the tokenizer, the config is valid JSON naming ``kimi_k3``, and
+   its modeling code (``trust_remote_code``) says in one line to install k3-model.
 
 The environment costs about a minute (torch from the usual index or local wheel).
 """
@@ -49,13 +50,19 @@ out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
 tensors = {}
 for shard in sorted(k3.glob("*.safetensors")):
     tensors.update(load_file(shard))
-k3_tokenizer = AutoTokenizer.from_pretrained(k3)
+# the K3 form names its modeling code; its tokenizer needs only the configuration file
+k3_tokenizer = AutoTokenizer.from_pretrained(k3, trust_remote_code=True)
+try:  # the modeling code runs k3_model, which is not installed here
+    AutoModelForCausalLM.from_pretrained(k3, trust_remote_code=True)
+    k3_remote = "loaded"
+except ImportError as exc:
+    k3_remote = str(exc)
 print(json.dumps({
     "class": type(model).__name__, "prompt_ids": ids[0].tolist(),
     "new_ids": out[0, ids.shape[1]:].tolist(), "eos": tokenizer.eos_token_id,
     "k3_tensors": len(tensors),
     "k3_model_type": json.loads((k3 / "config.json").read_text())["model_type"],
-    "k3_prompt_ids": k3_tokenizer(prompt).input_ids,
+    "k3_prompt_ids": k3_tokenizer(prompt).input_ids, "k3_remote": k3_remote,
 }))
 '''
 
@@ -110,6 +117,7 @@ def test_an_export_loads_with_only_transformers_and_safetensors(tmp_path, data_d
     ours = load_pretrained(tmp_path / "linear-hub", kda_backend="torch")
     assert found["new_ids"] == _greedy(ours, found["prompt_ids"], 24)
     assert found["k3_model_type"] == "kimi_k3"
+    assert "pip install k3-model" in found["k3_remote"]  # one clear line, not a traceback
     assert found["k3_tensors"] == len(_tensor_names(tmp_path / "k3-hub")) > 50
 
 

@@ -36,6 +36,11 @@ def setup(tmp_path_factory, data_dir):
                  "kimi-linear-tiny", "--max-steps", "15", "--batch-size", "8",
                  "--eval-batches", "1", "--no-moe-balance"]) == 0
     assert main(["export", "--run-dir", str(root / "run"), "--out", str(root / "hub")]) == 0
+    # the demo's preset: exported in the Kimi K3 form, with its modeling code
+    assert main(["train", "--run-dir", str(root / "k3-run"), "--data", str(data_dir),
+                 "--preset", "tiny", "--max-steps", "15", "--batch-size", "8",
+                 "--eval-batches", "1", "--no-moe-balance"]) == 0
+    assert main(["export", "--run-dir", str(root / "k3-run"), "--out", str(root / "k3")]) == 0
     docs = load_task("arc_easy", limit=DOCS).documents
     rows = root / "arc.jsonl"
     rows.write_text("".join(json.dumps({"question": d.contexts[0], "choices": [
@@ -103,6 +108,18 @@ def test_the_k3_backend_equals_transformers_through_lm_eval(setup):
             logprobs = F.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
         expected = float(logprobs.gather(-1, ids[0, 1:, None]).sum())
         assert float(sample["resps"][0][0]) == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_kimi_k3_export_through_remote_code_scores_as_the_k3_backend(setup, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    ours = _evaluate("k3", f"pretrained={setup / 'k3'}", setup, ["local_arc_easy"])
+    theirs = _evaluate("hf", f"pretrained={setup / 'k3'},dtype=float32,add_bos_token=True,"
+                       "trust_remote_code=True", setup, ["local_arc_easy"])
+    assert _logliks(ours, "local_arc_easy") == pytest.approx(
+        _logliks(theirs, "local_arc_easy"), rel=1e-4, abs=1e-4)
+    assert ours["results"]["local_arc_easy"]["acc,none"] == \
+        theirs["results"]["local_arc_easy"]["acc,none"]
 
 
 def test_a_run_directory_scores_as_its_export_and_generation_runs(setup):

@@ -41,6 +41,7 @@ from .files import (
     write_tensors,
 )
 from .names import NOT_WEIGHTS, from_hub, hub_shapes, to_hub
+from .remote import AUTO_MAP, remote_files
 
 GENERATION_CONFIG = "generation_config.json"
 KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias")
@@ -71,6 +72,10 @@ def save_pretrained(model: K3Model, path: str | Path, *, dtype: torch.dtype | No
         raise ValueError(f"max_shard_bytes must be ≥ 1, got {max_shard_bytes}")
     config_json = to_hub_config(model.config, bos_token_id=bos_token_id,
                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    code: dict[str, str] = {}
+    if config_json.get("model_type") == KIMI_K3:  # no transformers model: ship ours
+        config_json["auto_map"] = dict(AUTO_MAP)
+        code = remote_files()
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     tensors = to_hub(state, model.config)
     if dtype is not None:
@@ -86,8 +91,10 @@ def save_pretrained(model: K3Model, path: str | Path, *, dtype: torch.dtype | No
             if pad_token_id is not None:
                 generation["pad_token_id"] = pad_token_id
             write_json(folder / GENERATION_CONFIG, generation)
+        for name, text in code.items():
+            (folder / name).write_text(text, encoding="utf-8")
         for name, content in (extra_files or {}).items():
-            if "/" in name or name in (CONFIG, GENERATION_CONFIG):
+            if "/" in name or name in (CONFIG, GENERATION_CONFIG, *code):
                 raise ValueError(f"extra_files: {name!r} must be a plain file name other "
                                  "than the ones save_pretrained writes")
             target = folder / name

@@ -114,8 +114,8 @@ def _describe(config: K3Config) -> str:
 
     if hub_form(config) == "kimi_linear":
         return "kimi_linear: transformers (AutoModelForCausalLM), vLLM and SGLang load it"
-    return ("kimi_k3: Kimi K3's text-model names; SGLang's kimi_k3 loads them, transformers "
-            "has no kimi_k3 model")
+    return ("kimi_k3: Kimi K3's text-model names; SGLang's kimi_k3 loads them, and "
+            "transformers with trust_remote_code where k3-model is installed")
 
 
 SPEC = ModelSpec(
