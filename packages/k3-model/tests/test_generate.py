@@ -160,6 +160,35 @@ def test_seeded_draws_are_reproducible_and_the_knobs_work():
     assert sorted(streamed) == sorted((i, t) for i, row in enumerate(got) for t in row)
 
 
+def test_a_stop_id_in_every_row_ends_each_row_there():
+    model = _model(_config("tiny"))
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    free = model.generate(prompts, 12, temperature=0)
+    for stop_at in (2, 5):
+        stops = {row[stop_at] for row in free}  # a token of every row, the last one's too
+        got = model.generate(prompts, 12, temperature=0, stop_ids=stops)
+        for row, (ours, full) in enumerate(zip(got, free)):
+            first = next(i for i, t in enumerate(full) if t in stops)
+            assert ours == full[:first + 1], row
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_a_draw_is_multinomial_of_the_softmax_at_the_temperature(temperature):
+    from k3_model.generate import pick
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(8))
+    drawn = pick(logits, temperature=temperature, top_k=None, top_p=None,
+                 generator=torch.Generator().manual_seed(9))
+    expected = torch.multinomial((logits / temperature).softmax(-1), 1,
+                                 generator=torch.Generator().manual_seed(9))[:, 0]
+    assert torch.equal(drawn, expected)
+    other = pick(logits, temperature=1.0, top_k=None, top_p=None,
+                 generator=torch.Generator().manual_seed(9))
+    many = torch.stack([pick(logits, temperature=temperature, top_k=None, top_p=None,
+                             generator=torch.Generator().manual_seed(s)) for s in range(20)])
+    assert not torch.equal(many, torch.stack([other] * 20))  # the temperature matters
+
+
 def test_generation_leaves_the_model_and_global_rng_as_they_were():
     model = _model(_config("tiny")).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
