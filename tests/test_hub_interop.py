@@ -44,8 +44,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 linear, k3, prompt = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 tokenizer = AutoTokenizer.from_pretrained(linear)
 model = AutoModelForCausalLM.from_pretrained(linear, dtype=torch.float32).eval()
-ids = tokenizer(prompt, return_tensors="pt").input_ids
-out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
+inputs = tokenizer(prompt, return_tensors="pt")  # with its attention mask: the first token
+ids = inputs.input_ids                         # is the end-of-document, also the pad token
+out = model.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=None,
                      pad_token_id=tokenizer.eos_token_id)
 tensors = {}
 for shard in sorted(k3.glob("*.safetensors")):
@@ -160,9 +161,10 @@ def test_transformers_continues_a_prompt_as_k3_train_sample_does(tokenizer, tmp_
         assert main(["sample", "--run-dir", str(run), "--prompt", prompt, "--max-new-tokens",
                      "24", "--temperature", "0"]) == 0
         ours = capsys.readouterr().out.removesuffix("\n")
-        ids = auto_tokenizer(prompt, return_tensors="pt").input_ids
+        inputs = auto_tokenizer(prompt, return_tensors="pt")  # as the README shows
+        ids = inputs.input_ids
         assert ids[0, 0].item() == auto_tokenizer.bos_token_id  # the document start
-        generated = model.generate(ids, max_new_tokens=24, do_sample=False)
+        generated = model.generate(**inputs, max_new_tokens=24, do_sample=False)
         theirs = prompt + auto_tokenizer.decode(generated[0, ids.shape[1]:],
                                                 skip_special_tokens=True)
         assert theirs == ours, prompt
