@@ -168,6 +168,10 @@ def test_generation_reads_the_tokens_once_plus_a_stop_check_every_few_steps():
         model.generate(prompts, steps, temperature=0.8, top_k=20, top_p=0.9, stop_ids=[255])
     prefill_reads = 2  # grouping the prompts by length: the merge and the reorder
     assert len(calls) <= prefill_reads + steps // STOP_CHECK_EVERY + 1, calls
+    calls.clear()
+    with _host_reads(calls):  # no stop ids: nothing to check, the tokens read once
+        model.generate(prompts, steps, temperature=0)
+    assert len(calls) <= prefill_reads + 1, calls
     # streaming reads the tokens once per step, nothing more
     calls.clear()
     with _host_reads(calls):

@@ -158,7 +158,8 @@ def generate(model: CachedDecoder, prompts: Sequence[Sequence[int]], max_new_tok
                     if not streamed[row]:
                         on_token(row, token)
                         streamed[row] = token in stop_set
-            if step == max_new_tokens - 1 or _all_stopped(step, stopped, streamed, on_token):
+            if step == max_new_tokens - 1 or (
+                    stop_set and _all_stopped(step, stopped, streamed, on_token)):
                 break
             logits = model.forward_cached(tokens[:, None], cache)[:, -1]
         new = [_until_stop(row, stop_set) for row in drawn[:, :step + 1].tolist()]
