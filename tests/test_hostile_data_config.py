@@ -200,7 +200,8 @@ INVALID_VALUES = [
     ("activation_checkpointing", "layer"), ("activation_checkpointing", "full"),
     ("decay_fraction", 0.0), ("decay_fraction", 1.5), ("decay_shape", "exp"),
     ("eval_tokens", 0), ("keep_last", 0), ("keep_last", -2), ("keep_every", 0),
-    ("keep_every", -5),
+    ("keep_every", -5), ("downstream", ""), ("downstream", "arc_easy,,piqa"),
+    ("downstream_interval", 0), ("downstream_limit", 0), ("downstream_limit", -3),
 ]
 WRONG_TYPES = [
     ("batch_size", 4.0), ("batch_size", True), ("batch_size", "4"), ("max_steps", 1.5),
@@ -208,7 +209,8 @@ WRONG_TYPES = [
     ("overfit_batch", None), ("precision", 16), ("warmup_steps", 2.5), ("seed", None),
     ("compile", "yes"), ("compile", 1), ("async_checkpoint", "yes"), ("async_checkpoint", 1),
     ("keep_last", 1.5), ("keep_last", True), ("keep_last", None), ("keep_every", "10"),
-    ("keep_every", 2.0),
+    ("keep_every", 2.0), ("downstream", 3), ("downstream", ["arc_easy"]),
+    ("downstream_interval", 1.5), ("downstream_limit", None),
 ]
 
 
