@@ -41,8 +41,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("k3_trainer.lm_eval needs lm-evaluation-harness: "
                       "pip install 'k3-trainer[lm-eval]' (lm-eval==0.4.13)") from exc
 
-from .cli.build import checkpoint_at, parse_device, restore
-from .cli.hub import folder_codec, load_folder
+from .cli.build import open_model, parse_device
 from .config import ConfigError
 from .data import Codec, document_start
 from .tasks.scoring import encode_choice, score_pairs
@@ -53,16 +52,15 @@ def load_model(pretrained: str | Path, step: int | None, device: torch.device
     """The model and its tokenizer from a run directory or a hub folder."""
     path = Path(pretrained)
     if (path / "run.json").is_file():
-        checkpoint_at(path, step)
-        restored = restore(path, None, device, step)
-        return restored.model, restored.codec()
-    if (path / "config.json").is_file():
+        opened = open_model(path, None, step, device)
+    elif (path / "config.json").is_file():
         if step is not None:
             raise ConfigError("step picks a checkpoint of a run directory, not of a hub folder")
-        spec, model = load_folder(path, device)
-        return model, folder_codec(path, spec)
-    raise ConfigError(f"{pretrained} is neither a k3-train run directory (run.json) nor a "
-                      "hub folder (config.json)")
+        opened = open_model(None, path, None, device)
+    else:
+        raise ConfigError(f"{pretrained} is neither a k3-train run directory (run.json) nor a "
+                          "hub folder (config.json)")
+    return opened.model, opened.codec
 
 
 @register_model("k3")

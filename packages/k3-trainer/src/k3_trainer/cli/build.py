@@ -42,7 +42,7 @@ from ..models import HubFolderError, ModelSpec, get_model_spec
 from ..optim import build_optimizer
 from ..state import TrainState
 from ..trainer import Trainer
-from .hub import check_tokenizer, load_folder
+from .hub import check_tokenizer, folder_codec, load_folder
 from .resolve import (
     Plan,
     RunError,
@@ -203,6 +203,36 @@ def restore(run_dir: Path, data: Path | None, device: torch.device,
     Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY,
                  subset=True).load(found)
     return Restored(spec, model, model_config, config, state, data_loaders, data_dir)
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A model to read (sample, score) with its tokenizer: ``where`` names it in output;
+    ``max_seq_len`` is None for a hub folder whose model declares none."""
+
+    model: nn.Module
+    codec: Codec
+    where: str
+    max_seq_len: int | None
+
+
+def open_model(run_dir: Path | None, folder: Path | None, step: int | None,
+               device: torch.device, data: Path | None = None) -> Opened:
+    """A run's latest checkpoint (``step``: the one its history kept; ``data``: its data
+    elsewhere) or the hub folder ``folder`` with the tokenizer it ships, for the commands
+    that only read a model."""
+    if folder is not None:
+        if step is not None:
+            raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
+        spec, model = load_folder(folder, device)
+        longest = getattr(getattr(model, "config", None), "max_seq_len", None)
+        return Opened(model, folder_codec(folder, spec), str(folder),
+                      longest if isinstance(longest, int) else None)
+    assert run_dir is not None  # argparse requires one of the two
+    checkpoint_at(run_dir, step)  # before run.json: the likelier miss
+    restored = restore(run_dir, data, device, step)
+    return Opened(restored.model, restored.codec(), f"step {restored.state.step}",
+                  restored.max_seq_len)
 
 
 def checkpoint_at(run_dir: Path, step: int | None) -> Path:

@@ -13,8 +13,7 @@ from ..config import ConfigError
 from ..data import document_start
 from ..evaluation import evaluate_split
 from ..tasks import DownstreamTasks, parse_tasks, summary
-from .build import checkpoint_at, parse_device, pretrained, restore
-from .hub import folder_codec, load_folder
+from .build import open_model, parse_device, pretrained, restore
 from .options import EvalCommand
 
 
@@ -63,18 +62,9 @@ def _tasks(command: EvalCommand, device: Any) -> int:
     names = parse_tasks(command.tasks or "")
     if command.batches is not None:
         raise ConfigError("--batches counts validation batches; with --tasks use --limit")
-    if command.model is not None:
-        if command.step is not None:
-            raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
-        spec, model = load_folder(command.model, device)
-        codec = folder_codec(command.model, spec)
-        where = str(command.model)
-    else:
-        assert command.run_dir is not None  # argparse requires one of the two
-        checkpoint_at(command.run_dir, command.step)  # before run.json: the likelier miss
-        restored = restore(command.run_dir, command.data, device, command.step)
-        model, codec = restored.model, restored.codec()
-        where = f"step {restored.state.step}"
+    opened = open_model(command.run_dir, command.model, command.step, device,
+                        data=command.data)
+    model, codec, where = opened.model, opened.codec, opened.where
     config = getattr(model, "config", None)
     vocab, max_len = (getattr(config, "vocab_size", None), getattr(config, "max_seq_len", None))
     if not isinstance(vocab, int) or not isinstance(max_len, int):

@@ -7,8 +7,7 @@ import sys
 from ..config import ConfigError
 from ..data import Codec
 from ..sample import Sampling, TextStream, context_room, sample_text
-from .build import checkpoint_at, parse_device, restore
-from .hub import folder_codec, load_folder
+from .build import open_model, parse_device
 from .options import SampleCommand
 
 
@@ -22,21 +21,10 @@ def run(command: SampleCommand, notes: tuple[str, ...] = ()) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     device = parse_device(command.device)
-    if command.model is not None:
-        if command.step is not None:
-            raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
-        spec, model = load_folder(command.model, device)
-        codec = folder_codec(command.model, spec)
-        longest = getattr(getattr(model, "config", None), "max_seq_len", None)
-        if not isinstance(longest, int):
-            raise ConfigError(f"--model {command.model}: its model declares no max_seq_len")
-        max_seq_len = longest
-    else:
-        assert command.run_dir is not None  # argparse requires one of the two
-        checkpoint_at(command.run_dir, command.step)  # before run.json: the likelier miss
-        run_ = restore(command.run_dir, None, device, command.step)
-        model, codec = run_.model, run_.codec()
-        max_seq_len = run_.max_seq_len
+    opened = open_model(command.run_dir, command.model, command.step, device)
+    model, codec, max_seq_len = opened.model, opened.codec, opened.max_seq_len
+    if max_seq_len is None:
+        raise ConfigError(f"--model {command.model}: its model declares no max_seq_len")
     if callable(getattr(model, "generate", None)):
         _note_room(codec, command.prompt, sampling.max_new_tokens, max_seq_len)
     many = sampling.num_samples > 1

@@ -18,7 +18,15 @@ from torch import nn
 
 from ..data import Codec
 from .catalog import INSTALL, Document, Task, TaskError, load_task, parse_tasks, task_names
-from .scoring import SUMS, Scored, core, encode_documents, metrics, score_documents
+from .scoring import (
+    SUMS,
+    Scored,
+    core,
+    encode_documents,
+    metrics,
+    score_documents,
+    score_encoded,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class DownstreamTasks:
                  bos: int | None = None, batch_size: int = 16) -> None:
         self.tasks = [load_task(name, limit) for name in names]
         self.codec, self.bos, self.batch_size = codec, bos, batch_size
+        self._encodings: dict[tuple[str, int], list[list[tuple[list[int], list[int]]]]] = {}
 
     @property
     def names(self) -> list[str]:
@@ -48,10 +57,16 @@ class DownstreamTasks:
 
     def check(self, vocab_size: int) -> None:
         """Refuse, before anything is scored or written, a task the model's vocabulary
-        cannot encode."""
+        cannot encode (the encodings are kept: an evaluation in the loop reuses them)."""
         for task in self.tasks:
-            encode_documents(self.codec, task, task.documents, vocab_size=vocab_size,
-                             bos=self.bos)
+            self._encoded(task, vocab_size)
+
+    def _encoded(self, task: Task, vocab_size: int) -> list[list[tuple[list[int], list[int]]]]:
+        key = (task.name, vocab_size)
+        if key not in self._encodings:
+            self._encodings[key] = encode_documents(self.codec, task, task.documents,
+                                                    vocab_size=vocab_size, bos=self.bos)
+        return self._encodings[key]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, *, vocab_size: int, max_len: int, rank: int = 0,
@@ -61,9 +76,10 @@ class DownstreamTasks:
         all-reduce) combines the sums (the results then list this rank's documents)."""
         results = {}
         for task in self.tasks:
-            scored, skipped = score_documents(
-                model, self.codec, task, task.documents[rank::world], vocab_size=vocab_size,
-                max_len=max_len, bos=self.bos, batch_size=self.batch_size)
+            scored, skipped = score_encoded(
+                model, task.documents[rank::world],
+                self._encoded(task, vocab_size)[rank::world], max_len=max_len,
+                batch_size=self.batch_size)
             rows = [d.sums() for d in scored] + [[0.0] * (len(SUMS) - 1) + [float(skipped)]]
             sums = torch.tensor([sum(column) for column in zip(*rows)], dtype=torch.float64)
             if sum_ is not None and world > 1:

@@ -134,6 +134,13 @@ def score_documents(model: nn.Module, codec: Codec, task: Task, documents: Seque
     were skipped because a continuation alone is longer than the model's window
     ``max_len`` (no context could be kept for it)."""
     encoded = encode_documents(codec, task, documents, vocab_size=vocab_size, bos=bos)
+    return score_encoded(model, documents, encoded, max_len=max_len, batch_size=batch_size)
+
+
+def score_encoded(model: nn.Module, documents: Sequence[Document],
+                  encoded: Sequence[list[tuple[list[int], list[int]]]], *, max_len: int,
+                  batch_size: int = 16) -> tuple[list[Scored], int]:
+    """:func:`score_documents` of documents already encoded (:func:`encode_documents`)."""
     fits = [all(len(k) <= max_len for _, k in pairs) for pairs in encoded]
     kept = [(d, pairs) for d, pairs, ok in zip(documents, encoded, fits) if ok]
     scored = iter(score_pairs(model, [p for _, pairs in kept for p in pairs], max_len=max_len,
