@@ -81,6 +81,42 @@ def test_custom_scale_and_chunked_rows(monkeypatch):
     torch.testing.assert_close(head_max_logits(q, k, scale=0.3), want, rtol=1e-6, atol=0)
 
 
+def _documents_mask(t, cuts):
+    """(1, 1, T, T): query i sees key j when both lie between the same cuts."""
+    doc = torch.zeros(t, dtype=torch.long)
+    for cut in cuts:
+        doc[cut:] += 1
+    return (doc[:, None] == doc[None, :])[None, None].expand(2, 1, t, t)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_mask_keeps_the_maxima_to_the_pairs_it_allows(causal, monkeypatch):
+    q, k = qk(4, 2, 70, 70)
+    mask = _documents_mask(70, [5, 33, 34])
+    q[:, :, 40] = 10.0  # a huge logit between query 40 and key 10: different documents
+    k[:, :, 10] = 10.0
+    allowed = mask & torch.ones(70, 70, dtype=torch.bool).tril() if causal else mask
+    scores = torch.einsum("bhte,bhse->bhts", q.double(), k.repeat_interleave(2, 1).double())
+    want = (scores * 8**-0.5).masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3)).float()
+    torch.testing.assert_close(head_max_logits(q, k, causal=causal, mask=mask), want,
+                               rtol=1e-6, atol=0)
+    assert bool((head_max_logits(q, k, causal=causal) > 2 * want).all())
+    monkeypatch.setattr(observe_module, "_CHUNK_ELEMENTS", 1)  # one query row per chunk
+    torch.testing.assert_close(head_max_logits(q, k, causal=causal, mask=mask), want,
+                               rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=r"mask must be bool \(B, 1, T, S\)"):
+        head_max_logits(q, k, mask=mask.float())
+
+
+def test_observed_attention_with_a_mask_is_sdpa_with_that_mask_and_causal():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(3))
+    mask = _documents_mask(12, [4, 9])
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    torch.testing.assert_close(observed_attention(q, k, v, mask=mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask & causal))
+
+
 def test_head_max_rejects_bad_shapes_and_scale():
     q, k = qk(4, 3, 5, 5)
     with pytest.raises(ValueError, match="multiple of H_kv"):

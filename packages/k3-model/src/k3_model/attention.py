@@ -21,6 +21,7 @@ from k3_qkclip import QKObserver, QKSpec, observed_attention
 
 from .cache import KVCache, LatentCache, Step
 from .config import K3Config
+from .documents import Documents
 from .kda import KimiDeltaAttention
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -57,14 +58,18 @@ class GQAttention(nn.Module):
         return {"q_proj.weight": self.n_heads, "k_proj.weight": self.n_kv_heads,
                 "v_proj.weight": self.n_kv_heads}
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                documents: Documents | None = None) -> Tensor:
+        """``x`` ``(B, T, d)``; ``cos``/``sin`` the rotary tables at the tokens' positions;
+        with ``documents``, each token attends within its own document only."""
         b, t, _ = x.shape
         h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(b, t, h, e).transpose(1, 2)
         k = self.k_proj(x).view(b, t, kv, e).transpose(1, 2)
         v = self.v_proj(x).view(b, t, kv, e).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = observed_attention(q, k, v, self.qk_observer)
+        y = observed_attention(q, k, v, self.qk_observer,
+                               mask=None if documents is None else documents.mask)
         out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
         return out
 
@@ -148,8 +153,10 @@ class MLAttention(nn.Module):
         """Per-head Muon row blocks of this module's weights (relative names)."""
         return {f"{self.q_name}.weight": self.n_heads, "kv_up.weight": self.n_heads}
 
-    def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
-        """``x`` ``(B, T, d)``; ``cos``/``sin`` are the rotary tables (unused with NoPE)."""
+    def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
+                documents: Documents | None = None) -> Tensor:
+        """``x`` ``(B, T, d)``; ``cos``/``sin`` are the rotary tables (unused with NoPE);
+        with ``documents``, each token attends within its own document only."""
         b, t, _ = x.shape
         h, dn, dr, dv = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         q = self.q_up(self.q_norm(self.q_down(x))) if self.q_rank else self.q_proj(x)
@@ -165,7 +172,9 @@ class MLAttention(nn.Module):
             q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
             k_shared = apply_rotary(k_shared, cos, sin)
         k = torch.cat([k_nope, k_shared.expand(b, h, t, dr)], dim=-1)
-        y = observed_attention(q, k, v, self.qk_observer).transpose(1, 2).reshape(b, t, h * dv)
+        y = observed_attention(q, k, v, self.qk_observer,
+                               mask=None if documents is None else documents.mask)
+        y = y.transpose(1, 2).reshape(b, t, h * dv)
         return self._output(x, y)
 
     def _output(self, x: Tensor, y: Tensor) -> Tensor:

@@ -120,11 +120,12 @@ def check_mode(mode: object) -> CheckpointMode:
     return mode  # type: ignore[return-value]
 
 
-def checkpointed(fn: Callable[..., Tensor], *args: Any) -> Tensor:
-    """``fn(*args)`` with its activations recomputed in the backward, exactly (see above)."""
+def checkpointed(fn: Callable[..., Tensor], *args: Any, **kwargs: Any) -> Tensor:
+    """``fn(*args, **kwargs)`` with its activations recomputed in the backward, exactly
+    (see above)."""
     tape = RoutingTape()
     out: Tensor = checkpoint(
-        fn, *args, use_reentrant=False,
+        fn, *args, use_reentrant=False, **kwargs,
         context_fn=lambda: (tape.recording(), tape.replaying()),
     )
     return out

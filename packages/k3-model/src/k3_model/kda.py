@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KDAState, Step
+from .documents import Documents
 from .norm import RMSNorm
 
 CHUNK_SIZES = (16, 32, 64)
@@ -198,8 +199,9 @@ def _intra_chunk(q_in: Tensor, k_in: Tensor, k_tail: Tensor, ref: Tensor, last: 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
               scale: float | None = None, initial_state: Tensor | None = None,
               output_final_state: bool = False, chunk_size: int = 64,
-              gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor | None]:
-    """``recurrent_kda``'s result, chunk by chunk (same arguments, plus two).
+              gate_lower_bound: float | None = None, restart: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
+    """``recurrent_kda``'s result, chunk by chunk (same arguments, plus three).
 
     Per chunk with cumulative decay G: ``(I + Akk) [u | w] = [β v | β e^G k]`` (one unit
     lower-triangular solve, the UT transform), then sequentially over chunks
@@ -216,6 +218,10 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     reaches ``e^{−gate_lower_bound · 15}``: a g below the promised bound can then give
     inf/NaN. Otherwise (and by default) they use the pairwise decay
     ``e^{G_t − G_j}``, exact for any g ≤ 0 but materializing a tensor 16× the size of q.
+
+    ``restart`` ``(B, ⌈T / chunk_size⌉)`` bool: True for the chunks whose incoming state
+    is zero, where a new sequence begins (documents laid out chunk-aligned,
+    :class:`k3_model.documents.Packing`).
     """
     _check(q, k, v, g, beta, initial_state)
     if chunk_size not in CHUNK_SIZES:
@@ -264,10 +270,19 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                                                unitriangular=True).transpose(-1, -2)
         u, w = solved.split([dv, dk], dim=-1)
 
+        keep: list[Tensor | None] = [None] * n
+        if restart is not None:
+            if restart.shape != (b, n):
+                raise ValueError(f"restart must be [B, chunks] = {(b, n)}, got "
+                                 f"{tuple(restart.shape)}")
+            kept = (~restart).to(dtype).repeat_interleave(h, dim=0)  # [BH, N]
+            keep = list(kept[:, :, None, None].unbind(1))
         starts, v_new = [], []
         # unbind, not u[:, i]: each indexing op's backward would write a full-size zero grad.
-        for u_i, w_i, d_i, k_i in zip(u.unbind(1), w.unbind(1), chunk_decay.unbind(1),
-                                      k_to_end.unbind(1)):  # the only sequential part
+        for u_i, w_i, d_i, k_i, keep_i in zip(u.unbind(1), w.unbind(1), chunk_decay.unbind(1),
+                                              k_to_end.unbind(1), keep):  # the sequential part
+            if keep_i is not None:
+                state = state * keep_i
             starts.append(state)
             v_i = torch.baddbmm(u_i, w_i, state, alpha=-1.0)  # u − w S
             v_new.append(v_i)
@@ -411,10 +426,23 @@ class KimiDeltaAttention(nn.Module):
         h = self.n_heads
         return {"q_proj.weight": h, "k_proj.weight": h, "v_proj.weight": h}
 
-    def _short_conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
-        """Depthwise causal conv over time ([B, T, C] in and out) then SiLU."""
-        y = conv(F.pad(x.transpose(1, 2), (self.conv_size - 1, 0)))
-        return F.silu(y).transpose(1, 2)
+    def _short_conv(self, conv: nn.Conv1d, x: Tensor, documents: Documents | None = None
+                    ) -> Tensor:
+        """Depthwise causal conv over time ([B, T, C] in and out) then SiLU; with
+        ``documents``, tap ``j`` tokens back reads zero where that token belongs to an
+        earlier document (the document's own convolution, restarted)."""
+        if documents is None:
+            y = conv(F.pad(x.transpose(1, 2), (self.conv_size - 1, 0)))
+            return F.silu(y).transpose(1, 2)
+        t, width = x.shape[1], self.conv_size
+        padded = F.pad(x, (0, 0, width - 1, 0))
+        taps = conv.weight[:, 0].to(x.dtype)  # [C, width]: tap i reads width − 1 − i back
+        out = padded[:, width - 1:] * taps[:, -1]
+        for i in range(width - 1):
+            back = width - 1 - i
+            seen = (documents.positions >= back)[..., None].to(x.dtype)
+            out = out + padded[:, i:i + t] * taps[:, i] * seen
+        return F.silu(out)
 
     def decay(self, x: Tensor) -> Tensor:
         """The log decay g [B, T, H, K] in fp32: K3's bounded
@@ -448,12 +476,15 @@ class KimiDeltaAttention(nn.Module):
             return True
         return x.device.type == "cuda" and fla_available()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
+        """The layer's output for ``x`` [B, T, d] from a zero state; with ``documents``,
+        the state and the convolution restart at each document's first token (every
+        document as if alone)."""
         b, t, _ = x.shape
         h, e = self.n_heads, self.head_dim
-        q = self._short_conv(self.q_conv, self.q_proj(x)).view(b, t, h, e)
-        k = self._short_conv(self.k_conv, self.k_proj(x)).view(b, t, h, e)
-        v = self._short_conv(self.v_conv, self.v_proj(x)).view(b, t, h, e)
+        q = self._short_conv(self.q_conv, self.q_proj(x), documents).view(b, t, h, e)
+        k = self._short_conv(self.k_conv, self.k_proj(x), documents).view(b, t, h, e)
+        v = self._short_conv(self.v_conv, self.v_proj(x), documents).view(b, t, h, e)
         q, k = l2_normalize(q), l2_normalize(k)
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
@@ -465,11 +496,26 @@ class KimiDeltaAttention(nn.Module):
             # in-kernel gate (use_gate_in_kernel=True), which K3 does not use.
             fla_kda = _fla_chunk_kda()
             bounded = self.decay_bound is not None and self.decay_bound >= DECAY_LOWER_BOUND
-            o, _ = fla_kda(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False,
-                           **(_bounded_gate_option(fla_kda) if bounded else {}))
-        else:
+            options = _bounded_gate_option(fla_kda) if bounded else {}
+            if documents is None:
+                o, _ = fla_kda(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False,
+                               **options)
+            else:  # fla's varlen form: every document one sequence of a flat batch of one
+                flat = [z.reshape(1, b * t, *z.shape[2:]) for z in (q, k, v, g, beta)]
+                bounds = torch.nonzero(documents.starts.flatten()).flatten()
+                cu_seqlens = F.pad(bounds, (0, 1), value=b * t)
+                o, _ = fla_kda(*flat, scale=scale, use_qk_l2norm_in_kernel=False,
+                               cu_seqlens=cu_seqlens, **options)
+                o = o.view(b, t, h, e)
+        elif documents is None:
             o, _ = chunk_kda(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size,
                              gate_lower_bound=self.decay_bound)
+        else:  # each row's documents chunk-aligned, the state zeroed where each begins
+            packing = documents.packing(self.chunk_size)
+            o, _ = chunk_kda(*(packing.pack(z) for z in (q, k, v, g, beta)), scale=scale,
+                             chunk_size=self.chunk_size, gate_lower_bound=self.decay_bound,
+                             restart=packing.restart)
+            o = packing.unpack(o)
         o = self.o_norm(o) * torch.sigmoid(self.output_gate(x)).view(b, t, h, e)
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out

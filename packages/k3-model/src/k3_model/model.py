@@ -31,6 +31,7 @@ from .balancer import QuantileBalancer
 from .cache import DecodeCache, Decoding
 from .checkpointing import CheckpointMode, check_mode, checkpointed
 from .config import K3Config
+from .documents import Documents
 from .flops import flops_per_token
 from .kda import KimiDeltaAttention
 from .loss import chunked_cross_entropy
@@ -64,18 +65,19 @@ class Block(nn.Module):
             self.mlp_res = ResidualRead(config.d_model, config.norm_eps)
 
     def mix(self, x: Tensor, rope: tuple[Tensor, Tensor] | None,
-            decoding: Decoding | None = None) -> Tensor:
+            decoding: Decoding | None = None, documents: Documents | None = None) -> Tensor:
         """The token mixer's output for the layer input ``x`` (pre-norm applied here);
-        with ``decoding``, continuing from this layer's cache."""
+        with ``decoding``, continuing from this layer's cache; with ``documents``, every
+        document on its own."""
         h = self.attn_norm(x)
         if decoding is not None:
             return self._mix_cached(h, rope, decoding)
         if isinstance(self.attn, KimiDeltaAttention):
-            out: Tensor = self.attn(h)
+            out: Tensor = self.attn(h, documents)
         elif rope is None:
-            out = self.attn(h)  # NoPE MLA
+            out = self.attn(h, documents=documents)  # NoPE MLA
         else:
-            out = self.attn(h, *rope)
+            out = self.attn(h, *rope, documents=documents)
         return out
 
     def _mix_cached(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
@@ -96,6 +98,7 @@ class Block(nn.Module):
         blocks: list[Tensor] | None = None,
         block_inv_rms: list[Tensor] | None = None,
         decoding: Decoding | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         """The layer's output residual state.
 
@@ -107,10 +110,11 @@ class Block(nn.Module):
         """
         if blocks is None:
             assert x is not None
-            x = x + self.mix(x, rope, decoding)
+            x = x + self.mix(x, rope, decoding, documents)
             return x + self.feed(x)
         assert block_inv_rms is not None
-        out = self.mix(_read(self.attn_res, blocks, block_inv_rms, x), rope, decoding)
+        out = self.mix(_read(self.attn_res, blocks, block_inv_rms, x), rope, decoding,
+                       documents)
         partial = out if x is None else x + out
         return partial + self.feed(_read(self.mlp_res, blocks, block_inv_rms, partial))
 
@@ -182,15 +186,23 @@ class K3Model(nn.Module):
                 buffer.zero_()
 
     @overload
-    def forward(self, x: Tensor, targets: None = None) -> tuple[Tensor, None]: ...
+    def forward(self, x: Tensor, targets: None = None, *,
+                document_ids: Tensor | None = None) -> tuple[Tensor, None]: ...
 
     @overload
-    def forward(self, x: Tensor, targets: Tensor) -> tuple[Tensor | None, Tensor]: ...
+    def forward(self, x: Tensor, targets: Tensor, *,
+                document_ids: Tensor | None = None) -> tuple[Tensor | None, Tensor]: ...
 
     def forward(
-        self, x: Tensor, targets: Tensor | None = None
+        self, x: Tensor, targets: Tensor | None = None, *, document_ids: Tensor | None = None
     ) -> tuple[Tensor | None, Tensor | None]:
         """``(logits, loss)`` for token ids ``x`` ``(B, T)``.
+
+        ``document_ids`` ``(B, T)`` (integers, equal for the tokens of one document,
+        non-decreasing along a row) keeps the documents packed into a row apart: KDA's
+        state and convolution restart at each document's first token, MLA and GQA attend
+        within the document (RoPE at positions within it), so every document's outputs
+        are those of the document run alone (:mod:`k3_model.documents`).
 
         Without ``targets``: logits ``(B, T, vocab)`` and None. With ``targets`` ``(B,
         T)``: the mean token cross-entropy (fp32 under autocast too; target ``-100`` is
@@ -209,8 +221,16 @@ class K3Model(nn.Module):
                 f"K3Model: sequence length {t} exceeds K3Config.max_seq_len "
                 f"({self.config.max_seq_len}); raise max_seq_len or shorten the batch"
             )
+        documents = None
+        if document_ids is not None:
+            chunks = tuple(layer.attn.chunk_size for layer in self.layers
+                           if isinstance(layer.attn, KimiDeltaAttention))
+            documents = Documents.from_ids(document_ids, tuple(x.shape), chunks)
         rope = self.rotary(t) if self.rotary is not None else None
-        h = self.norm(self._layers(self.embed(x), rope))
+        if rope is not None and documents is not None:
+            rope = (self.rotary.cos[documents.positions][:, None],  # type: ignore[union-attr]
+                    self.rotary.sin[documents.positions][:, None])  # type: ignore[union-attr]
+        h = self.norm(self._layers(self.embed(x), rope, documents=documents))
         if targets is None:
             return self.lm_head(h), None
         if self.config.loss_chunk_size:
@@ -221,12 +241,13 @@ class K3Model(nn.Module):
         return logits, loss
 
     def _layers(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
-                decoding: Decoding | None = None) -> Tensor:
+                decoding: Decoding | None = None, documents: Documents | None = None
+                ) -> Tensor:
         """Every layer on the embedded tokens ``h``, plain or with Attention Residuals."""
         if self.final_res is not None:
-            return self._attn_res_forward(h, rope, decoding)
+            return self._attn_res_forward(h, rope, decoding, documents)
         for layer in self.layers:
-            h = self._run_layer(layer, h, rope, decoding=decoding)
+            h = self._run_layer(layer, h, rope, decoding=decoding, documents=documents)
         return h
 
     @torch.no_grad()
@@ -293,12 +314,13 @@ class K3Model(nn.Module):
         """``layer(*args)``, under activation checkpointing when it is on and autograd
         records (an eval or ``no_grad`` forward has nothing to save)."""
         if self._checkpointing == "block" and torch.is_grad_enabled():
-            return checkpointed(layer, *args)
+            return checkpointed(layer, *args, **kwargs)
         out: Tensor = layer(*args, **kwargs)
         return out
 
     def _attn_res_forward(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
-                          decoding: Decoding | None = None) -> Tensor:
+                          decoding: Decoding | None = None,
+                          documents: Documents | None = None) -> Tensor:
         """Block Attention Residuals (see :mod:`k3_model.attn_res`); block 0 = ``h``.
 
         The partial sum is committed at each block start *before* the layer runs (its
@@ -316,7 +338,7 @@ class K3Model(nn.Module):
                 inv_rms.append(inverse_rms(partial, eps))
                 partial = None
             partial = self._run_layer(layer, partial, rope, list(blocks), list(inv_rms),
-                                      decoding=decoding)
+                                      decoding=decoding, documents=documents)
         assert self.final_res is not None and partial is not None
         return _read(self.final_res, blocks, inv_rms, partial)
 

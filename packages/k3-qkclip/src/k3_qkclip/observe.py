@@ -83,15 +83,18 @@ class QKObserver:
 
 @torch.no_grad()
 def head_max_logits(
-    q: Tensor, k: Tensor, *, causal: bool = True, scale: float | None = None
+    q: Tensor, k: Tensor, *, causal: bool = True, scale: float | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Exact per-query-head max of ``(q_i·k_j)·scale`` over batch and visible pairs.
 
     ``q``: ``(B, H, T, E)``; ``k``: ``(B, H_kv, S, E)`` with ``H % H_kv == 0`` (query head
     h reads key head ``h // (H // H_kv)``). ``causal`` masks ``j > i`` (top-left
-    aligned, like ``scaled_dot_product_attention(is_causal=True)``); ``scale`` defaults
-    to ``1/√E``. Returns fp32 ``(H,)``, detached, with no host sync. Query rows are
-    processed in chunks so the transient scores stay bounded for long sequences.
+    aligned, like ``scaled_dot_product_attention(is_causal=True)``); ``mask`` (bool,
+    ``(B, 1, T, S)``, True where query i may see key j, e.g. documents kept apart) masks
+    the pairs it forbids as well; ``scale`` defaults to ``1/√E``. Returns fp32 ``(H,)``,
+    detached, with no host sync. Query rows are processed in chunks so the transient
+    scores stay bounded for long sequences.
     """
     b, h, t, e = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -103,6 +106,10 @@ def head_max_logits(
     scale = e**-0.5 if scale is None else scale
     if not scale > 0:
         raise ValueError(f"head_max_logits: scale must be > 0, got {scale}")
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4
+                             or mask.shape[1] != 1 or mask.shape[2:] != (t, s)):
+        raise ValueError(f"head_max_logits: mask must be bool (B, 1, T, S) = "
+                         f"({b}, 1, {t}, {s}), got {mask.dtype} {tuple(mask.shape)}")
     g = h // hkv
     qg = q.reshape(b, hkv, g, t, e)
     kt = k.transpose(-1, -2)
@@ -122,6 +129,8 @@ def head_max_logits(
         scores = torch.matmul(chunk, kt[..., :cols]).view(b, hkv, g, n, cols)
         if upper is not None and cols > start + 1:  # mask only the diagonal block
             scores[..., start:].masked_fill_(upper[:n, : cols - start], -math.inf)
+        if mask is not None:
+            scores.masked_fill_(~mask[:, :, None, start:stop, :cols], -math.inf)
         chunk_max = scores.amax(dim=(0, 3, 4))
         best = chunk_max if best is None else torch.maximum(best, chunk_max)
     if best is None:
@@ -138,14 +147,23 @@ def observed_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """``scaled_dot_product_attention`` that reports per-head max logits to ``observer``.
 
     Shapes as in :func:`head_max_logits`, plus ``v``: ``(B, H_kv, S, E_v)``; returns
-    ``(B, H, T, E_v)``. With ``observer`` None or inactive (eval mode) this is exactly
+    ``(B, H, T, E_v)``. ``mask`` (bool ``(B, 1, T, S)``, True = visible) restricts the
+    pairs further than ``causal`` (documents kept apart); the observed maxima cover only
+    the visible pairs. With ``observer`` None or inactive (eval mode) this is exactly
     ``F.scaled_dot_product_attention`` and costs nothing extra.
     """
     if observer is not None and observer.active:
-        observer.record(head_max_logits(q, k, causal=causal, scale=scale))
+        observer.record(head_max_logits(q, k, causal=causal, scale=scale, mask=mask))
     gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        if causal:
+            t, s = q.shape[2], k.shape[2]
+            mask = mask & torch.ones(t, s, dtype=torch.bool, device=mask.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
