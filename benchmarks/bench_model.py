@@ -19,6 +19,10 @@
   ckpt  activation checkpointing "block" vs "none" on ``tiny`` and ``small`` at seq
         1024, batch 1, fp32 forward+backward: bytes kept by the forward, peak RSS
         growth, time ratio (the recomputation costs about one more forward).
+  documents  the cost of keeping documents apart (``document_ids``): the demo step of
+        ``tiny`` (batch 16 × seq 128, forward+backward+MuonAdamW, fp32) and a seq-1024
+        batch-1 forward+backward, each row packing documents of 20–300 tokens (uniform,
+        as prose paragraphs and short files), masked vs not; the time ratio.
 
 Run: ``hatch run bench:model`` (``--quick``: short sequences, one round, the CI smoke run).
 
@@ -324,11 +328,73 @@ def bench_ckpt(args: argparse.Namespace) -> dict[str, object]:
     return results
 
 
+# --- documents: the cost of document masking -------------------------------------------
+
+
+def packed_ids(batch: int, seq: int, seed: int = 2) -> torch.Tensor:
+    """Document ids of rows packing documents of 20–300 tokens (uniform)."""
+    rng = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        lengths: list[int] = []
+        while sum(lengths) < seq:
+            lengths.append(int(torch.randint(20, 301, (1,), generator=rng)))
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        rows.append(ids[:seq])
+    return torch.stack(rows)
+
+
+def documents_step(config: K3Config, batch: int, seq: int, masked: bool,
+                   optimizer: bool) -> Callable[[], None]:
+    """:func:`model_step` with the documents of :func:`packed_ids` kept apart or not."""
+    torch.manual_seed(0)
+    model = K3Model(config).train()
+    opt = MuonAdamW(model.parameter_groups(lr=1e-3, weight_decay=0.1)) if optimizer else None
+    x = torch.randint(0, config.vocab_size, (batch, seq + 1),
+                      generator=torch.Generator().manual_seed(1))
+    ids = packed_ids(batch, seq) if masked else None
+
+    def run() -> None:
+        _, loss = model(x[:, :-1], x[:, 1:], document_ids=ids)
+        assert loss is not None
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def bench_documents(args: argparse.Namespace) -> dict[str, object]:
+    cases = [("demo step", 4, 64, True)] if args.quick else \
+        [("demo step", 16, 128, True), ("seq 1024", 1, 1024, False)]
+    rounds = 1 if args.quick else args.rounds
+    rows, results = [], {}
+    for label, batch, seq, optimizer in cases:
+        config = preset("tiny", max_seq_len=max(seq, 128))
+        timings = interleaved({mode: documents_step(config, batch, seq, mode == "masked",
+                                                    optimizer)
+                               for mode in ("plain", "masked")}, repeats=rounds, warmup=1)
+        ratios = [m / p for p, m in zip(timings["plain"].seconds, timings["masked"].seconds)]
+        docs = float(packed_ids(batch, seq).amax(dim=1).float().mean() + 1)
+        rows.append([label, f"{batch}×{seq}", f"{docs:.1f}",
+                     f"{timings['plain'].median * 1e3:.0f}",
+                     f"{timings['masked'].median * 1e3:.0f}",
+                     f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}–{max(ratios):.2f}"])
+        results[label] = {"ratio": statistics.median(ratios),
+                          **{f"{m}_s": tm.seconds for m, tm in timings.items()}}
+    print_table(f"document masking, tiny preset, fp32, {rounds} interleaved rounds",
+                ["case", "batch", "docs/row", "plain ms", "masked ms", "masked ÷ plain",
+                 "min–max"], rows)
+    return results
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {
     "kda": bench_kda,
     "presets": bench_presets,
     "loss": bench_loss,
     "ckpt": bench_ckpt,
+    "documents": bench_documents,
 }
 
 

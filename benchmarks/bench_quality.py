@@ -23,7 +23,10 @@ The comparisons:
   decay) over the last 10% and the last 20% of the run;
 - ``mixture``: a mixture of two sources, the corpus (``docs``) and Python's own standard
   library source (``code``, prepared with the corpus's tokenizer), at 0.7/0.3 and 0.3/0.7,
-  with the final ``val_bpb`` of each source beside the mixture's (weighted) one.
+  mixed row by row, with the final ``val_bpb`` of each source beside the mixture's
+  (weighted) one;
+- ``documents``: document masking (``document_masking``: KDA restarts and attention
+  within each document) against none, on the corpus and on the 0.7/0.3 mixture.
 
 Each run's final model is also scored on downstream tasks (``--downstream``, default
 ARC-Easy, PIQA and HellaSwag, their first ``--downstream-limit`` documents): a second
@@ -98,6 +101,9 @@ CANDIDATES = [
     Candidate("WSD, decay 20%", train={"lr_schedule": "wsd", "decay_fraction": 0.2}),
     Candidate("docs 0.7 / code 0.3", mixture=(("docs", 0.7), ("code", 0.3))),
     Candidate("docs 0.3 / code 0.7", mixture=(("docs", 0.3), ("code", 0.7))),
+    Candidate("K3, documents apart", train={"document_masking": True}),
+    Candidate("docs 0.7 / code 0.3, documents apart", mixture=(("docs", 0.7), ("code", 0.3)),
+              train={"document_masking": True}),
 ]
 COMPARISONS = {
     "optimizer": [BASE, "K3 (AdamW)"],
@@ -108,6 +114,8 @@ COMPARISONS = {
     "recipe": [BASE, "spectral update scale", "no weight decay", "3x warmup"],
     "schedule": [BASE, "WSD, decay 10%", "WSD, decay 20%"],
     "mixture": ["docs 0.7 / code 0.3", "docs 0.3 / code 0.7"],
+    "documents": [BASE, "K3, documents apart", "docs 0.7 / code 0.3",
+                  "docs 0.7 / code 0.3, documents apart"],
 }
 SWEEP_CENTER = 3e-3  # the sweep: these multiples of it (fixed, so the defaults it chose
 LR_FACTORS = (1 / 3, 1.0, 3.0)  # can move without moving the sweep)
@@ -232,7 +240,7 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
     from k3_trainer import Callback, Trainer
 
     torch.set_num_threads(threads)
-    loaders = _loaders(candidate, setup, seed)
+    loaders = _loaders(candidate, setup)
     # Every evaluation reads the whole validation split (each source's, for a mixture).
     vals = getattr(loaders[1], "sources", None) or {"": loaders[1]}
     config = model_config(candidate, setup.vocab_size)
@@ -291,9 +299,9 @@ def _downstream(model: Any, setup: Setup, config: Any) -> dict[str, Any]:
                                   max_len=config.max_seq_len))
 
 
-def _loaders(candidate: Candidate, setup: Setup, seed: int) -> tuple[Any, Any]:
+def _loaders(candidate: Candidate, setup: Setup) -> tuple[Any, Any]:
     """The corpus's loaders, or the candidate's mixture of ``docs`` (the corpus) and
-    ``code`` (the schedule of batches seeded with the run's seed)."""
+    ``code`` (mixed row by row)."""
     from k3_trainer import TokenDataLoader
     from k3_trainer.data import MixtureLoader, Source
 
@@ -302,7 +310,7 @@ def _loaders(candidate: Candidate, setup: Setup, seed: int) -> tuple[Any, Any]:
                      for split in ("train", "val"))
     paths = {"docs": setup.data, "code": setup.code}
     sources = [Source(name, Path(paths[name]), weight) for name, weight in candidate.mixture]
-    return tuple(MixtureLoader(sources, split, setup.batch_size, setup.seq_len, seed=seed)
+    return tuple(MixtureLoader(sources, split, setup.batch_size, setup.seq_len)
                  for split in ("train", "val"))
 
 
@@ -359,6 +367,7 @@ def run_key(candidate: Candidate, setup: Setup, lr: float, seed: int) -> str:
               and (k not in ("downstream", "downstream_limit") or v)}
     if candidate.mixture is not None:
         shared["code_corpus"] = setup.code_corpus
+        shared["mixed_by"] = "row"  # batch-level mixing's cached runs do not match
     own = {k: v for k, v in asdict(candidate).items() if k != "mixture" or v is not None}
     blob = json.dumps([own, shared, lr, seed, BASE_RECIPE], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

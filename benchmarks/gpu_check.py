@@ -50,9 +50,9 @@ from k3_optim import MuonAdamW, newton_schulz
 # of k3_trainer.observe.window.PEAK_TFLOPS["bf16"], so this script runs with only k3-optim.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                     "A10G": 70.0, "RTX 4090": 165.0}
-SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "decode", "train",
-            "expert_parallel", "checkpoint")
-NEEDS_K3_MODEL = ("kda", "decode", "train", "expert_parallel", "checkpoint")
+SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "documents", "decode",
+            "train", "expert_parallel", "checkpoint")
+NEEDS_K3_MODEL = ("kda", "documents", "decode", "train", "expert_parallel", "checkpoint")
 TRAIN_RESERVE_S = 200.0  # what earlier sections leave for ``train`` when it is selected
 MFU_GOAL, NS_GOAL = 0.40, 0.90
 
@@ -241,6 +241,12 @@ def markdown(results: dict[str, Any]) -> str:
     for case, row in kda.get("timings", {}).items():
         figures = ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in row.items())
         rows.append((f"KDA {case}", figures, ""))
+    documents = results.get("documents", {})
+    if "agreement_fp32_max_rel" in documents:
+        rows.append((f"documents apart (KDA {documents.get('fla')}): masked vs each alone, fp32",
+                     f"max rel {documents['agreement_fp32_max_rel']:.1e}", "≤ 1e-5"))
+        rows.append(("documents apart: training step masked ÷ plain, bf16",
+                     f"{documents['masked_over_plain']:.2f}×", ""))
     decode = results.get("decode", {})
     if "agreement_fp32_max_rel" in decode:
         rows.append((f"decode {decode.get('preset', '')}: cached vs full forward, fp32",
@@ -308,6 +314,7 @@ def _run_section(name: str, ctx: Context) -> bool:
 
         fns: dict[str, Callable[[Context, dict[str, Any]], None]] = {
             "kda": gpu_check_k3.kda,
+            "documents": gpu_check_k3.documents,
             "decode": gpu_check_k3.decode,
             "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device)),
             "expert_parallel": gpu_check_k3.expert_parallel,

@@ -367,6 +367,45 @@ def expert_parallel(ctx: Context, out: dict[str, Any]) -> None:
             f"expert bytes EP/FSDP {out['bytes_ratio_ep_to_fsdp']:.3f}")
 
 
+def documents(ctx: Context, out: dict[str, Any]) -> None:
+    """Documents kept apart on the device (fla's varlen kernel, ``cu_seqlens``, when
+    installed): a ``document_ids`` forward against each document alone (fp32), and the
+    training step's time with and without the ids (bf16 autocast)."""
+    from k3_model import K3Model, preset
+
+    device = ctx.device
+    _, fla_note = _fla() if device.type == "cuda" else (None, "CUDA only")
+    out["fla"] = fla_note
+    seq = 64 if ctx.smoke else 2048
+    torch.manual_seed(0)
+    model = K3Model(preset("tiny", max_seq_len=seq)).to(device).eval()
+    lengths = [7, 1, 40, 16] if ctx.smoke else [300, 1, 777, 64, 906]
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    ids = ids.to(device)
+    x = torch.randint(0, model.config.vocab_size, (1, seq), device=device)
+    with torch.no_grad():
+        masked = model(x, document_ids=ids)[0]
+        alone = torch.cat([model(x[:, ids[0] == d])[0] for d in range(len(lengths))], dim=1)
+    out["agreement_fp32_max_rel"] = float((masked - alone).abs().max() / alone.abs().max())
+    ctx.log(f"documents: masked vs alone, fp32: max rel {out['agreement_fp32_max_rel']:.2e}")
+    model.train()
+    batch = 2 if ctx.smoke else 8
+    xb = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    idb = ids.expand(batch, seq)
+
+    def step(with_ids: bool) -> None:
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(xb, xb, document_ids=idb if with_ids else None)[1]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for name, with_ids in (("plain_s", False), ("masked_s", True)):
+        out[name] = ctx.time(lambda w=with_ids: step(w), repeats=2 if ctx.smoke else 10)
+    out["masked_over_plain"] = out["masked_s"] / out["plain_s"]
+    ctx.log(f"documents: step {batch}×{seq} plain {out['plain_s'] * 1e3:.1f} ms, masked "
+            f"{out['masked_s'] * 1e3:.1f} ms ({out['masked_over_plain']:.2f}×)")
+
+
 def decode(ctx: Context, out: dict[str, Any]) -> None:
     """Generation with the cache on the GPU: cached logits against the full forward (fp32),
     then the per-step time of a decoding step (bf16 weights, fla's fused recurrent kernel

@@ -20,6 +20,19 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def code_dir(tmp_path_factory):
+    """A second byte-level dataset of many short documents (functions): a mixture's other
+    source, whose rows pack several documents each."""
+    root = tmp_path_factory.mktemp("code")
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(400):
+        (docs / f"{i:03d}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n")
+    prepare_dataset([str(docs)], root / "data")
+    return root / "data"
+
+
+@pytest.fixture(scope="session")
 def small_toml(tmp_path_factory):
     """A ``--config`` file for the small model (batch 4×16); schedules come from flags."""
     path = tmp_path_factory.mktemp("config") / "small.toml"

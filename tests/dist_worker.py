@@ -31,6 +31,7 @@ from k3_trainer import (
     Trainer,
     build_optimizer,
 )
+from k3_trainer.data import MixtureLoader, Source
 from k3_trainer.distributed import init_parallel, shutdown
 from k3_trainer.models import get_model_spec
 
@@ -157,6 +158,9 @@ def main() -> int:
     parser.add_argument("--overflow-on-rank", type=int)
     parser.add_argument("--expert-parallel", type=int, default=1)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--mix", type=Path,
+                        help="a second dataset: train on docs=DATA:0.7 and code=MIX:0.3")
+    parser.add_argument("--document-masking", action="store_true")
     parser.add_argument("--count-host-reads", action="store_true",
                         help="record the host reads of every update (HostReads)")
     args = parser.parse_args()
@@ -170,6 +174,7 @@ def main() -> int:
                           qk_clip_tau=args.qk_clip_tau,
                           expert_parallel=args.expert_parallel,
                           gradient_accumulation_steps=args.accumulation,
+                          document_masking=args.document_masking,
                           # counting host reads: no logging or evaluation in between
                           **({"log_interval": args.steps, "eval_interval": args.steps}
                              if args.count_host_reads else {"eval_interval": 3}))
@@ -182,8 +187,13 @@ def main() -> int:
         parallel.wrap(model)
     optimizer = build_optimizer(model, config, distributed=True if args.parallel == "ddp"
                                 else None)
-    loaders = [TokenDataLoader(args.data, split, config.batch_size, config.seq_len,
-                               rank=rank, world_size=world) for split in ("train", "val")]
+    if args.mix is not None:
+        sources = [Source("docs", args.data, 0.7), Source("code", args.mix, 0.3)]
+        loaders = [MixtureLoader(sources, split, config.batch_size, config.seq_len, rank=rank,
+                                 world_size=world) for split in ("train", "val")]
+    else:
+        loaders = [TokenDataLoader(args.data, split, config.batch_size, config.seq_len,
+                                   rank=rank, world_size=world) for split in ("train", "val")]
     result: dict = {}
     log = MetricsLog(None)
     scaler = None

@@ -126,6 +126,32 @@ def test_two_ranks_match_one_process_and_agree(parallel, one_process, tmp_path, 
 
 @distributed
 @needs_torchrun
+def test_a_mixture_with_documents_kept_apart_matches_one_process_under_fsdp_and_ep(
+        tmp_path, data_dir, code_dir):
+    """Row-level mixing gives every global batch 0.7/0.3 of its rows (within one row at
+    every step) whatever the world size, and document masking (KDA restarts, MLA within
+    the document) trains the same under FSDP2 with expert parallelism as in one process."""
+    extra = ("--mix", code_dir, "--document-masking")
+    one = _worker(tmp_path / "one", data_dir, "none", *extra)[0]
+    ranks = _worker(tmp_path / "two", data_dir, "fsdp+ep", *extra)
+    ours, reference = _train_events(ranks[0]), _train_events(one)
+    assert [e["step"] for e in ours] == list(range(1, STEPS + 1))
+    for a, b in zip(ours, reference):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["tokens_by_source"] == b["tokens_by_source"]
+        rows = {name: tokens // 16 for name, tokens in a["tokens_by_source"].items()}
+        assert abs(rows["docs"] - 0.7 * BATCH * a["step"]) < 1
+        assert abs(rows["code"] - 0.3 * BATCH * a["step"]) < 1
+    evals = [e["val_loss"] for e in ranks[0]["events"] if e["event"] == "eval"]
+    assert evals == pytest.approx([e["val_loss"] for e in one["events"]
+                                   if e["event"] == "eval"], rel=1e-4)
+    for name, weight in one["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][name], weight, rtol=1e-4, atol=1e-5)
+        assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
+
+
+@distributed
+@needs_torchrun
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_expert_parallel_adds_one_host_read_per_moe_layer_and_microbatch(
         accumulation, tmp_path, data_dir):

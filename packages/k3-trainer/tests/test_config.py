@@ -34,6 +34,7 @@ BAD_VALUES = {
     "eval_interval": [0],
     "checkpoint_interval": [-5],
     "async_checkpoint": ["true", 1, None],
+    "document_masking": ["yes", 0, None],
     "keep_last": [0, -1, 1.5, True, "2", None],
     "keep_every": [0, -3, 1.5, True, "10"],
     "downstream": ["", "arc_easy,", ",piqa", 3, ["arc_easy"]],

@@ -144,9 +144,16 @@ def test_empty_corpus_tiny_dataset_and_existing_output(tmp_path):
 
 
 def test_builtin_corpus_needs_no_download(tmp_path):
-    text, source = builtin_corpus()
-    assert len(text) > 100_000 and source["builtin"] == "pydoc_data.topics"
+    documents, source = builtin_corpus()
+    assert sum(map(len, documents)) > 100_000 and source["builtin"] == "pydoc_data.topics"
+    assert len(documents) == source["topics"] > 50  # one document per topic
     manifest = prepare_dataset([], tmp_path / "builtin")
     assert manifest["source"]["builtin"] == "pydoc_data.topics"
+    assert manifest["validation"]["rule"] == "token_tail"  # the last topics, in name order
+    separators = 0  # topics apart, as documents: one end-of-document token between two
+    for split in ("train", "val"):
+        part = TokenDataLoader(tmp_path / "builtin", split, 1, 16)
+        separators += int((part.window(0, part.num_tokens) == part.tokenizer["eod_id"]).sum())
+    assert separators == len(documents) - 1
     loader = TokenDataLoader(tmp_path / "builtin", "val", 4, 128)
     assert int(loader.next_batch()[0].max()) < 256

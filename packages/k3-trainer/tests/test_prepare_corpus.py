@@ -70,7 +70,7 @@ def test_each_record_format_yields_its_documents_in_order(kind, tmp_path):
     assert val == [DOCS[9], DOCS[19], DOCS[29]]
     assert train == [d for i, d in enumerate(DOCS) if i % 10 != 9]
     assert manifest["records"] == {"documents": 30, "empty": 0, "missing_field": 0,
-                                   "not_text": 0}
+                                   "not_text": 0, "not_utf8": 0}
     assert manifest["validation"] == {"rule": "every_nth_document", "n": 10, "order": "input"}
     assert manifest["source"]["files"][0]["sha256"] and manifest["source"]["files"][0]["bytes"]
 
@@ -118,7 +118,8 @@ def test_bad_records_are_counted_and_reported(tmp_path, capsys):
     code, out, err = _cli(["prepare", path, "--out", tmp_path / "d", "--workers", 1], capsys)
     assert code == 0, err
     records = read_manifest(tmp_path / "d")["records"]
-    assert records == {"documents": 2, "empty": 2, "missing_field": 3, "not_text": 1}
+    assert records == {"documents": 2, "empty": 2, "missing_field": 3, "not_text": 1,
+                       "not_utf8": 0}
     assert "2 documents (skipped 2 empty, 3 without the text field, 1 with a non-text field)" \
         in out
     assert read_manifest(tmp_path / "d")["source"]["files"][0]["missing_field"] == 3
@@ -162,11 +163,13 @@ def test_a_corrupt_gzip_names_file_and_line(tmp_path, capsys):
     assert not (tmp_path / "d").exists()
 
 
-def test_text_that_is_not_utf8_names_the_line(tmp_path):
+def test_text_that_is_not_utf8_is_skipped_and_jsonl_that_is_not_names_the_line(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes(b"ok\nstill ok\ncaf\xe9\n")
-    with pytest.raises(DataError, match=r"latin1.txt: line 3: not UTF-8"):
+    with pytest.raises(DataError, match=r"corpus is empty.*1 file that is not UTF-8 text, "
+                       r"the first .*latin1.txt: not UTF-8 at line 3"):
         prepare_dataset([path], tmp_path / "d")
+    assert not (tmp_path / "d").exists()
     records = tmp_path / "latin1.jsonl"  # the bad line lies past the reader's first block
     records.write_bytes(b'{"text": "fine"}\n' * 700 + b'{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"latin1.jsonl: line 701: not UTF-8"):
@@ -274,7 +277,7 @@ def test_a_long_text_file_is_read_in_pieces_as_one_document(tmp_path, monkeypatc
     (tmp_path / "blank.txt").write_text("\n\n  \n" * 40)
     manifest = prepare_dataset([tmp_path / "long.txt", tmp_path / "blank.txt"], tmp_path / "d")
     assert manifest["records"] == {"documents": 1, "empty": 1, "missing_field": 0,
-                                   "not_text": 0}
+                                   "not_text": 0, "not_utf8": 0}
     assert manifest["validation"]["rule"] == "token_tail"  # fewer documents than 1/fraction
     train, _ = _documents(tmp_path / "d")
     val, _ = _documents(tmp_path / "d", "val")

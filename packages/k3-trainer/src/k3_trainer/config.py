@@ -41,6 +41,10 @@ class TrainConfig:
     """Tokens per sequence (at most the model's max_seq_len)."""
     gradient_accumulation_steps: int = 1
     """Microbatches summed into one optimizer update."""
+    document_masking: bool = False
+    """Keep the documents packed into a row apart (KDA state and convolution restart at
+    each end-of-document token, attention within the document); the model's forward must
+    take document_ids."""
     # optimizer (one peak LR and weight decay for every group: Muon uses match_rms_adamw).
     # The defaults were checked against alternatives by `hatch run bench:quality` and on
     # the tiny demo setup: BENCHMARKS.md, "Training quality".
@@ -167,7 +171,7 @@ class TrainConfig:
             _number(self, name, low=0.0, high=1.0)
         _number(self, "min_lr_ratio", low=0.0, high=1.0, high_closed=True)
         for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch", "compile",
-                     "async_checkpoint"):
+                     "async_checkpoint", "document_masking"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, allowed in choices(TrainConfig).items():
@@ -238,7 +242,8 @@ class TrainConfig:
 LATER_FIELDS: dict[str, Any] = {"decay_fraction": 0.2, "decay_shape": "1-sqrt",
                                 "eval_tokens": 1_000_000, "async_checkpoint": False,
                                 "keep_last": 1, "keep_every": None, "downstream": None,
-                                "downstream_interval": None, "downstream_limit": 100}
+                                "downstream_interval": None, "downstream_limit": 100,
+                                "document_masking": False}
 """Fields added after 0.1.0 with their defaults (which keep an earlier run's meaning)."""
 
 

@@ -148,6 +148,18 @@ def check_model(model: object) -> ModelContract:
     return contract
 
 
+def check_takes_documents(model: nn.Module) -> None:
+    """``document_masking`` needs ``forward(x, targets=y, document_ids=ids)``: refuse a
+    model whose forward cannot take the ids, naming the setting."""
+    try:
+        inspect.signature(model.forward).bind(None, targets=None, document_ids=None)
+    except TypeError:
+        raise ConfigError(f"document_masking: {type(model).__name__}.forward takes no "
+                          "document_ids; turn document_masking off for this model") from None
+    except ValueError:
+        pass
+
+
 def read_contract(model: object) -> ModelContract:
     """What ``model`` offers of :class:`K3TrainerModel`'s optional pieces (for the parts
     that need only those: compile, sharding, optimizer groups); raise ``ConfigError``

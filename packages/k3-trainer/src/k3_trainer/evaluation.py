@@ -15,6 +15,7 @@ from torch import nn
 from k3_checkpoint import capture_rng, restore_rng
 
 from .data import BatchLoader, DataExhausted
+from .data.documents import document_ids
 from .precision import autocast
 
 
@@ -42,7 +43,8 @@ class EvalResult:
 @torch.no_grad()
 def evaluate_split(model: nn.Module, loader: BatchLoader, device: torch.device | str,
                    max_batches: int, precision: str = "fp32", *,
-                   all_reduce: Callable[[torch.Tensor], object] | None = None) -> EvalResult:
+                   all_reduce: Callable[[torch.Tensor], object] | None = None,
+                   document_boundary: int | None = None) -> EvalResult:
     """Loss over up to ``max_batches`` full batches from the start of ``loader``, with the
     byte count of exactly the evaluated targets (from the dataset's bytes-per-token table).
 
@@ -57,12 +59,16 @@ def evaluate_split(model: nn.Module, loader: BatchLoader, device: torch.device |
     A mixture (a loader with ``sources`` and ``weights``, :class:`~k3_trainer.data.
     MixtureLoader`) is evaluated source by source, ``max_batches`` each, and combined by
     its weights (:attr:`EvalResult.by_source`).
+
+    ``document_boundary`` (the end-of-document id): the model keeps the rows' documents
+    apart (``document_ids``, as a run with ``document_masking`` trains).
     """
     sources = getattr(loader, "sources", None)
     if isinstance(sources, Mapping):
         return _mixture(model, sources, loader.weights,  # type: ignore[attr-defined]
                         lambda part: evaluate_split(model, part, device, max_batches,
-                                                    precision, all_reduce=all_reduce))
+                                                    precision, all_reduce=all_reduce,
+                                                    document_boundary=document_boundary))
     device = torch.device(device)
     table = getattr(loader, "token_bytes", None)
     rng = capture_rng()
@@ -83,8 +89,10 @@ def evaluate_split(model: nn.Module, loader: BatchLoader, device: torch.device |
             if table is not None:
                 nbytes += int(np.asarray(table)[y[scored].numpy()].sum())
             x, y = x.to(device), y.to(device)
+            documents = {} if document_boundary is None else {
+                "document_ids": document_ids(x, document_boundary)}
             with autocast(device, precision):
-                _, loss = model(x, targets=y)
+                _, loss = model(x, targets=y, **documents)
             total += float(loss) * count
             tokens += count
         if all_reduce is not None:

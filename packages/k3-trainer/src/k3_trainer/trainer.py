@@ -41,8 +41,9 @@ from .checkpoint import (
 from .checkpoint.agreement import raise_on_every_rank
 from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
-from .contract import ModelContract, check_model
+from .contract import ModelContract, check_model, check_takes_documents
 from .data import BatchLoader, DataExhausted, check_vocab_fits
+from .data.documents import document_boundary, document_ids
 from .distributed import Parallel, clip_grad_norm
 from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
@@ -126,6 +127,11 @@ class Trainer:
         if vocab is not None:
             check_vocab_fits(self.loaders.train, vocab)
         self.forward = parallel.module if parallel is not None and parallel.module else model
+        self._document_boundary: int | None = None
+        """The end-of-document id when documents are kept apart (``document_masking``)."""
+        if config.document_masking:
+            check_takes_documents(model)
+            self._document_boundary = document_boundary(self.loaders.train)
         self.world = parallel.world_size if parallel is not None else 1
         self.scaler = grad_scaler or make_grad_scaler(self.device, config.precision)
         self.callbacks = Callbacks(callbacks)
@@ -326,8 +332,10 @@ class Trainer:
             with profiler.region("train/data"):
                 x, y = self._training_batch()
             with profiler.region("train/forward"):
+                documents = {} if self._document_boundary is None else {
+                    "document_ids": document_ids(x, self._document_boundary)}
                 with autocast(self.device, config.precision):
-                    _, loss = self.forward(x, targets=y)
+                    _, loss = self.forward(x, targets=y, **documents)
                 value = loss.item() if self.parallel is None else self._mean_loss(loss)
             if not math.isfinite(value):
                 raise FloatingPointError(f"Non-finite training loss at step {step}")
@@ -428,7 +436,8 @@ class Trainer:
                 self.model, self.loaders.val, self.device,
                 self.config.validation_batches(self.loaders.val.tokens_per_batch),
                 self.config.precision,
-                all_reduce=self.parallel.sum_ if self.parallel is not None else None)
+                all_reduce=self.parallel.sum_ if self.parallel is not None else None,
+                document_boundary=self._document_boundary)
         by_source = {} if result.by_source is None else {"val_by_source": {
             name: {"val_loss": part.loss, "val_bpb": part.bpb, "val_tokens": part.tokens}
             for name, part in result.by_source.items()}}

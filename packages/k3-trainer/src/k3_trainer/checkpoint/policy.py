@@ -35,10 +35,11 @@ TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
 )
 
 PHASE_MAY_CHANGE = frozenset(f"train_config.{name}" for name in (
-    "lr_schedule", "decay_steps", "decay_fraction", "decay_shape", "min_lr_ratio"))
+    "lr_schedule", "decay_steps", "decay_fraction", "decay_shape", "min_lr_ratio",
+    "document_masking"))
 """What a new phase of a run (``Trainer.resume(new_phase=True)``, ``--phase``) may change
-beside :data:`TRAINER_POLICY`'s fields: the decay. Its loaders may read other data too
-(a mixture loader built with ``adopt``)."""
+beside :data:`TRAINER_POLICY`'s fields: the decay and whether documents are kept apart.
+Its loaders may read other data too (a mixture loader built with ``adopt``)."""
 
 
 def phase_policy(policy: k3_checkpoint.CompatibilityPolicy

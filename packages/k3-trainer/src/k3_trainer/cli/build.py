@@ -95,7 +95,7 @@ def loaders(config: TrainConfig, model_config: Any, data_dir: Path,
         if config.overfit_batch:
             raise ConfigError("overfit_batch reads one dataset, not a mixture")
         train, val = (MixtureLoader(sources, split, config.batch_size, config.seq_len,
-                                    seed=config.seed, rank=rank, world_size=world,
+                                    rank=rank, world_size=world,
                                     adopt=adopt) for split in ("train", "val"))
     else:
         train = TokenDataLoader(data_dir, "train", config.batch_size, config.seq_len,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..data import document_start
+from ..data import document_boundary, document_start
 from ..evaluation import evaluate_split
 from ..tasks import DownstreamTasks, parse_tasks, summary
 from .build import open_model, parse_device, pretrained, restore
@@ -44,7 +44,9 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
         print(f"k3-train: note: --batches {wanted} is more than the validation split holds "
               f"({available} full batches); evaluating all {available}", file=sys.stderr)
     wanted = min(wanted, available)
-    result = evaluate_split(run_.model, val, device, wanted, run_.config.precision)
+    result = evaluate_split(run_.model, val, device, wanted, run_.config.precision,
+                            document_boundary=document_boundary(val)
+                            if run_.config.document_masking else None)
     bpb = "" if result.bpb is None else f", val_bpb {result.bpb:.4f}"
     where = f"step {run_.state.step}" if command.model is None else str(command.model)
     mixture = "" if result.by_source is None else ", mixture by weight"

@@ -56,19 +56,35 @@ def batches(text: str) -> int | str:
 
 @dataclass(frozen=True)
 class PrepareCommand:
-    out: Path
+    out: Path | None = option(None, metavar="DIR", group="output", group_required=True)
     """dataset folder to create"""
+    out_each: Path | None = option(None, metavar="DIR", group="output")
+    """write each INPUT as its own dataset DIR/NAME (NAME: the input's name without its
+    suffix, e.g. web/ and code.jsonl give DIR/web and DIR/code), all with one tokenizer,
+    so they train together as a mixture"""
     inputs: list[str] = option(default_factory=list, positional=True, metavar="INPUT")
-    """.txt/.md, .jsonl[.gz|.zst], .parquet files or folders of them (none: the built-in
-    corpus)"""
+    """.txt/.md, .jsonl[.gz|.zst], .parquet files or folders of them; a file named here is
+    read whatever its suffix (none: the built-in corpus)"""
+    include: list[str] | None = option(None, repeat=True, metavar="PATTERN")
+    """also read the files inside input folders whose name matches this glob pattern
+    (repeatable; e.g. '*.c', 'README', '*'); a file that is not UTF-8 text is skipped and
+    counted"""
+    exclude: list[str] | None = option(None, repeat=True, metavar="PATTERN")
+    """skip the files inside input folders whose name matches this glob pattern
+    (repeatable, after --include)"""
+    overwrite: bool = False
+    """replace existing output dataset folders (each atomically, once every one is
+    written)"""
     val_fraction: float = 0.05
     """every round(1/F)-th document is validation"""
     tokenizer: str = option("bytes", metavar="bytes|PATH")
     """bytes or a tokenizers tokenizer.json"""
     train_tokenizer: int | None = option(None, parse=positive_int, metavar="VOCAB_SIZE")
-    """train a byte-level BPE of this size on the inputs"""
+    """train a byte-level BPE of this size on the inputs (with --out-each: on all of
+    them)"""
     tokenizer_sample: float | None = option(None, metavar="MB")
-    """train the tokenizer on the first MB of text (default: all)"""
+    """train the tokenizer on the first MB of text (with --out-each: MB drawn from the
+    inputs in proportion to their sizes; default: all)"""
     text_field: str = "text"
     """the text field of JSONL records / Parquet rows"""
     eod_token: str | None = option(None, metavar="TOKEN")

@@ -30,7 +30,7 @@ from ..trainer import Trainer
 from .build import build_trainer, max_seq_len_of, parse_device
 from .options import TrainCommand
 from .record import Session, write_run_record
-from .resolve import METRICS, Plan, RunError, read_record, resolve
+from .resolve import METRICS, Plan, RunError, phase_lr_warning, read_record, resolve
 from .threads import THREADS_ENV
 
 ABANDONED = ("k3-train: interrupted again: stopping now, the save in progress is abandoned; "
@@ -117,6 +117,10 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
     for note in (*plan.notes,
                  *horizon_notes(config, horizon_unset=plan.horizon_unset)):
         print(f"k3-train: note: {note}", file=sys.stderr)
+    if phase is not None and plan.phase is not None and plan.phase_before is not None:
+        jump = phase_lr_warning(plan.phase, plan.phase_before, config, trainer.state.step)
+        if jump is not None:  # a warning, not a refusal: the phase starts all the same
+            print(f"k3-train: warning: {jump}", file=sys.stderr)
     with metrics:
         trainer.callbacks.extend((metrics, *plan.callbacks))
         if runtime_changes:

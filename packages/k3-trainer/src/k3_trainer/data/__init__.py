@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .documents import document_boundary, document_ids
     from .loader import (
         DataError,
         DataExhausted,
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .tokenizer import BytesCodec, Codec, HFCodec, document_start, load_codec
 
 _EXPORTS = {
+    "document_boundary": ".documents", "document_ids": ".documents",
     "DataError": ".loader", "DataExhausted": ".loader", "TokenDataLoader": ".loader",
     "check_vocab_fits": ".loader", "read_manifest": ".loader",
     "MixtureLoader": ".mixture", "Source": ".mixture",
@@ -50,6 +52,8 @@ __all__ = [
     "check_vocab_fits",
     "default_workers",
     "describe_prepared",
+    "document_boundary",
+    "document_ids",
     "document_start",
     "load_codec",
     "prepare_dataset",

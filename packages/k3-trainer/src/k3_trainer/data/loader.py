@@ -242,7 +242,8 @@ class TokenDataLoader:
         """Tokens the cursor advances per batch: the global batch (all ranks)."""
         return self.batch_size * self.seq_len * self.world_size
 
-    def _window(self, start: int, length: int) -> np.ndarray:
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the split (across shards), read-only."""
         pieces, end = [], start + length
         for shard, lo in zip(self._shards, self._starts[:-1]):
             hi = lo + len(shard)
@@ -256,7 +257,7 @@ class TokenDataLoader:
             raise DataExhausted(f"no complete batch at offset {offset} of split {self.split!r}")
         rows = self.batch_size * self.seq_len  # this rank's share of the global batch
         window = torch.from_numpy(
-            self._window(offset + self.rank * rows, rows + 1).astype(np.int64))
+            self.window(offset + self.rank * rows, rows + 1).astype(np.int64))
         x = window[:-1].view(self.batch_size, self.seq_len)
         y = window[1:].view(self.batch_size, self.seq_len)
         return x, y

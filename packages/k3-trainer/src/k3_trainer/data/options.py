@@ -29,10 +29,13 @@ class PrepareOptions:
 
     ``tokenizer`` is ``"bytes"`` or the path of a ``tokenizers`` file; ``train_tokenizer``
     trains a byte-level BPE of that vocabulary size on the inputs (the first
-    ``tokenizer_sample_mb`` MB of text, default all); ``eod_token`` names the
+    ``tokenizer_sample_mb`` MB of text, default all; for ``prepare_each``, that many MB
+    drawn from the inputs in proportion to their sizes); ``eod_token`` names the
     end-of-document token of a given tokenizer (default: a known name); ``text_field`` is
     the text of JSONL records and Parquet rows; every ``round(1 / val_fraction)``-th
     document is validation, after a seeded shuffle of the documents (``shuffle_seed``).
+    Inside input folders, files with a known suffix are read, plus those whose name
+    matches an ``include`` glob pattern, less those whose name matches an ``exclude`` one.
     """
 
     val_fraction: float = 0.05
@@ -46,3 +49,9 @@ class PrepareOptions:
     shuffle_seed: int | None = DEFAULT_SHUFFLE_SEED
     """Documents are shuffled with this seed before the validation split (None: kept in
     input order)."""
+    include: tuple[str, ...] = ()
+    """Glob patterns on file names: files inside input folders to read besides the known
+    suffixes (``*.h``, ``README``, ``*``); each must match a file."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns on file names: files inside input folders not to read (applied after
+    ``include``; files named as inputs are always read)."""

@@ -1,11 +1,13 @@
 """Input readers for ``prepare``: files and folders of text, JSONL and Parquet, as documents.
 
-A document is one ``.txt``/``.md`` file, one JSON line, or one Parquet row. Every reader
+A document is one text file (``.txt``/``.md`` in a folder, any file a ``--include``
+pattern or the command line names), one JSON line, or one Parquet row. Every reader
 streams: a text file is yielded in line-aligned pieces of about ``PIECE_BYTES``, a JSONL
 file line by line, a Parquet file in row batches, so memory does not grow with the
 corpus. Records that are empty or lack the text field are counted in :class:`RecordCounts`
-(never dropped silently); a file that cannot be decoded raises :class:`DataError` naming
-the file and line.
+(never dropped silently), and so is a text file that is not UTF-8 text (invalid UTF-8 or
+a NUL byte: a binary file that a broad ``--include`` took in), which is skipped whole; a
+JSONL file that cannot be decoded raises :class:`DataError` naming the file and line.
 
 JSON lines are yielded undecoded: :func:`resolve` parses them wherever the caller wants
 (``prepare`` does it in its worker processes, so the reading process only splits lines).
@@ -13,9 +15,11 @@ JSON lines are yielded undecoded: :func:`resolve` parses them wherever the calle
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import io
 import json
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,10 +43,12 @@ class RecordCounts:
     empty: int = 0
     missing_field: int = 0
     not_text: int = 0
+    not_utf8: int = 0
+    """Text files skipped whole: not UTF-8, or holding a NUL byte (binary)."""
 
     @property
     def skipped(self) -> int:
-        return self.empty + self.missing_field + self.not_text
+        return self.empty + self.missing_field + self.not_text + self.not_utf8
 
     def count(self, status: str) -> None:
         setattr(self, status, getattr(self, status) + 1)
@@ -103,6 +109,8 @@ class InputFile:
     path: Path
     kind: str  # "text", "jsonl" or "parquet"
     counts: RecordCounts = field(default_factory=RecordCounts)
+    skipped: str | None = None
+    """Why the whole file was skipped (a text file that is not UTF-8 text), else None."""
 
 
 def input_kind(path: Path) -> str | None:
@@ -116,29 +124,83 @@ def input_kind(path: Path) -> str | None:
     return None
 
 
-def discover(inputs: Sequence[str | Path]) -> list[InputFile]:
-    """Input files in a fixed order: arguments in order, each folder's files sorted by path.
+def check_patterns(include: Sequence[str], exclude: Sequence[str]) -> None:
+    """Patterns match file names: one with a path separator would never match."""
+    for flag, patterns in (("--include", include), ("--exclude", exclude)):
+        for pattern in patterns:
+            if not pattern or "/" in pattern or os.sep in pattern:
+                raise DataError(f"{flag} {pattern!r}: a pattern matches file names, not paths "
+                                "(e.g. '*.h', 'README', '*')")
 
-    Inside folders (searched recursively) only known suffixes are read and hidden entries
-    are skipped; a file named explicitly is read as text unless its suffix says otherwise.
+
+def _matches(name: str, patterns: Sequence[str]) -> list[str]:
+    return [p for p in patterns if fnmatch.fnmatchcase(name, p)]
+
+
+def discover_each(inputs: Sequence[str | Path], include: Sequence[str] = (),
+                  exclude: Sequence[str] = ()) -> list[list[InputFile]]:
+    """Each input's files, in a fixed order: each folder's files sorted by path.
+
+    Inside folders (searched recursively, hidden entries skipped) a file is read when its
+    suffix is a known one or its name matches an ``include`` pattern, and not when its name
+    matches an ``exclude`` pattern; a file named explicitly is always read, as text unless
+    its suffix says otherwise. An ``include`` pattern that matches no file in any folder is
+    an error, and so is an input with no file to read.
     """
-    files: list[InputFile] = []
+    check_patterns(include, exclude)
+    each: list[list[InputFile]] = []
+    folders: list[Path] = []
+    used: set[str] = set()
     for item in inputs:
         path = Path(item)
+        files: list[InputFile] = []
         if path.is_dir():
+            folders.append(path)
             for child in sorted(path.rglob("*")):
                 relative = child.relative_to(path).parts
+                if any(p.startswith(".") for p in relative) or not child.is_file():
+                    continue
                 kind = input_kind(child)
-                if kind and child.is_file() and not any(p.startswith(".") for p in relative):
-                    files.append(InputFile(child, kind))
+                included = _matches(child.name, include)
+                used.update(included)
+                if (kind or included) and not _matches(child.name, exclude):
+                    files.append(InputFile(child, kind or "text"))
         elif path.is_file():
             files.append(InputFile(path, input_kind(path) or "text"))
         else:
             raise DataError(f"input {path} not found")
-    if not files and inputs:
-        raise DataError("no input files found: folders are searched for "
-                        + ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES))
-    return files
+        each.append(files)
+    unused = [p for p in include if p not in used]
+    if unused and not folders:
+        raise DataError(f"--include {unused[0]!r} picks files inside input folders, and no "
+                        "input is a folder (a file named as an input is read whatever its "
+                        "suffix)")
+    if unused:
+        raise DataError(f"--include {unused[0]!r} matches no file in the input folders "
+                        f"({', '.join(str(f) for f in folders)}); patterns match file names, "
+                        "hidden entries are skipped")
+    for item, files in zip(inputs, each):
+        if not files:
+            raise DataError(f"no input files found in {item}: {_searched(include, exclude)}")
+    return each
+
+
+def _searched(include: Sequence[str], exclude: Sequence[str]) -> str:
+    what = "folders are searched for " + ", ".join(
+        TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)
+    if include:
+        what += " and the --include patterns " + ", ".join(repr(p) for p in include)
+    else:
+        what += " (add others with --include '*.EXT')"
+    if exclude:
+        what += ", less the --exclude patterns " + ", ".join(repr(p) for p in exclude)
+    return what
+
+
+def discover(inputs: Sequence[str | Path], include: Sequence[str] = (),
+             exclude: Sequence[str] = ()) -> list[InputFile]:
+    """All inputs' files in one list (see :func:`discover_each`)."""
+    return [file for files in discover_each(inputs, include, exclude) for file in files]
 
 
 def read_pieces(file: InputFile, text_field: str = "text") -> Iterator[Piece]:
@@ -152,20 +214,58 @@ def read_pieces(file: InputFile, text_field: str = "text") -> Iterator[Piece]:
         yield from _parquet_pieces(file, text_field)
 
 
+def _decoded(raw: bytes, first_line: int) -> tuple[str, str | None]:
+    """A line-aligned block's text, or ``""`` and why it is not UTF-8 text (whichever of
+    invalid UTF-8 and a NUL byte comes first; ``first_line`` is the block's first line)."""
+    nul = raw.find(b"\0")
+    try:
+        text = raw.decode("utf-8")
+        bad, why = -1, ""
+    except UnicodeDecodeError as exc:
+        text, bad, why = "", exc.start, f"not UTF-8 at line {{}}: {exc.reason}"
+    if nul >= 0 and (bad < 0 or nul < bad):
+        bad, why = nul, "a NUL byte at line {}"
+    if bad < 0:
+        return text, None
+    return "", why.format(first_line + raw.count(b"\n", 0, bad))
+
+
+def _text_problem(path: Path) -> str | None:
+    """Why the file is not UTF-8 text (None: it is), reading it in blocks."""
+    line_no = 0
+    with open(path, "rb") as f:
+        while lines := f.readlines(PIECE_BYTES):
+            _, why = _decoded(b"".join(lines), line_no + 1)
+            if why is not None:
+                return why
+            line_no += len(lines)
+    return None
+
+
 def _text_pieces(file: InputFile) -> Iterator[Piece]:
-    """Line-aligned pieces; leading blank pieces wait until the file proves non-empty."""
+    """Line-aligned pieces; leading blank pieces wait until the file proves non-empty.
+
+    A file that is not UTF-8 text is counted (``not_utf8``) and skipped before any piece
+    of it is yielded: a file larger than one piece is checked whole first (read twice);
+    a smaller one is one piece, checked as it is read.
+    """
     line_no, held = 0, []
     started = False
     try:
+        if file.path.stat().st_size > PIECE_BYTES:
+            file.skipped = _text_problem(file.path)
+            if file.skipped is not None:
+                file.counts.not_utf8 += 1
+                return
         with open(file.path, "rb") as f:
             while lines := f.readlines(PIECE_BYTES):
-                raw = b"".join(lines)
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    bad = line_no + raw.count(b"\n", 0, exc.start) + 1
-                    raise DataError(f"{file.path}: line {bad}: not UTF-8 text ({exc.reason})"
-                                    ) from None
+                text, why = _decoded(b"".join(lines), line_no + 1)
+                if why is not None:
+                    if not started:  # nothing of the file was yielded: skip it whole
+                        file.skipped = why
+                        file.counts.not_utf8 += 1
+                        return
+                    raise DataError(f"{file.path}: {why}; the file changed while it was read")
                 line_no += len(lines)
                 if not started and not text.strip():
                     held.append(text)
