@@ -234,3 +234,28 @@ def test_a_zip_whose_end_record_is_not_last_is_refused_by_the_save(tmp_path, mon
     with pytest.raises(CheckpointError, match="end record is not last"):
         write_payload(tmp_path / "ckpt.k3", {"format_version": 7})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("change", ["inserted", "cut"])
+def test_bytes_inserted_or_cut_mid_payload_are_refused_by_the_length(tmp_path, change):
+    """The trailer intact (its CRC holds) but the payload longer or shorter than it says:
+    refused by the trailer's length, before any hashing or unpickling."""
+    path = tmp_path / "ckpt.k3"
+    run = make_run()
+    run.step()
+    save_checkpoint(path, **run.save_kwargs())
+    raw = path.read_bytes()
+    middle = (len(raw) - TRAILER_SIZE) // 2
+    if change == "inserted":
+        edited = raw[:middle] + b"\x00" * 10 + raw[middle:]
+    else:
+        edited = raw[:middle] + raw[middle + 10:]
+    assert edited[-TRAILER_SIZE:] == raw[-TRAILER_SIZE:]
+    path.write_bytes(edited)
+    with pytest.raises(CheckpointError, match="bytes were cut from or inserted"):
+        read_payload(path)
+    fresh = make_run(seed=1)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="bytes were cut from or inserted"):
+        load_checkpoint(path, **fresh.load_kwargs())
+    assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())

@@ -22,6 +22,7 @@ from k3_model.hub import (
     save_pretrained,
     to_hub_config,
 )
+from k3_model.hub.config import meaning
 from k3_model.hub.names import hub_shapes
 
 
@@ -326,3 +327,44 @@ def test_later_fields_are_left_out_of_the_plain_data_at_their_defaults():
     assert (changed["kda_decay"], changed["mla_norm_eps"]) == ("softplus", 1e-6)
     assert K3Config.from_dict(changed).kda_decay == "softplus"
     assert math.isclose(K3Config.from_dict(old).kda_gate_lower_bound, -5.0)
+
+
+@pytest.mark.parametrize("addition", [
+    {"attn_res_block_size": 2}, {"mla_gate": True}, {"moe_latent_dim": 64},
+    {"activation": "situ"}, {"kda_decay": "bounded"}, {"kda_output_gate_rank": 0},
+])
+def test_each_k3_addition_alone_makes_a_kimi_k3_model_that_round_trips(tmp_path, addition):
+    """Kimi Linear plus exactly one of K3's additions is written as kimi_k3 (Kimi Linear's
+    form cannot carry it) and reads back bitwise, computing the same. (The K3 form's MLA
+    latent norms use norm_eps, so mla_norm_eps goes back to that default.)"""
+    model = _model("kimi-linear-tiny", mla_norm_eps=None, **addition).eval()
+    assert hub_form(model.config) == "kimi_k3"
+    save_pretrained(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_k3"
+    loaded = load_pretrained(tmp_path / "out", kda_chunk_size=model.config.kda_chunk_size,
+                             kda_backend="torch")
+    assert meaning(loaded.config) == meaning(model.config)  # the same model, field by field
+    theirs = loaded.state_dict()
+    for key, value in model.state_dict().items():
+        if not key.endswith(("balancer.load", "balancer.updates")):
+            assert torch.equal(value, theirs[key]), key
+    x = _tokens()
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], loaded(x)[0])
+
+
+def test_an_mla_only_model_with_k3s_kda_defaults_is_kimi_linear_and_round_trips(tmp_path):
+    """Without KDA layers the KDA fields build nothing: they neither block the write nor
+    the reload into the same model."""
+    model = _model("kimi-linear-tiny", attention="mla", mla_rope=False, kda_decay="bounded",
+                   kda_output_gate_rank=0).eval()
+    assert hub_form(model.config) == "kimi_linear"
+    save_pretrained(model, tmp_path / "out")
+    load_weights(model, tmp_path / "out")
+    same = _model("kimi-linear-tiny", attention="mla", mla_rope=False, seed=1).eval()
+    load_weights(same, tmp_path / "out")
+    loaded = load_pretrained(tmp_path / "out", kda_backend="torch")
+    x = _tokens()
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], loaded(x)[0])
+        assert torch.equal(model(x)[0], same(x)[0])

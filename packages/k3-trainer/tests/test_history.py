@@ -89,6 +89,8 @@ def test_continuing_from_an_older_checkpoint_moves_the_later_ones_aside(tmp_path
     assert [p.name for p in moved] == ["step-00000003", "step-00000004"]
     assert all(p.parent.name == "superseded-1" and (p / "k3.ckpt").is_file() for p in moved)
     assert history.latest() == history.root / "step-00000002"
+    # The link itself names the branch point at once, not the moved step 4 until a save.
+    assert os.readlink(history.root / "latest") == "step-00000002"
     assert _names(history) == ["step-00000001", "step-00000002"]
 
     _save(history, 3, "branch")  # the branch's own step 3: no clash with the moved one

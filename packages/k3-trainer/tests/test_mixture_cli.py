@@ -139,3 +139,36 @@ def test_a_phase_of_a_run_on_one_dataset_continues_its_cursor_or_changes_its_dat
     assert code == 0 and "it changes data" in err, err
     phases = json.loads((run / "run.json").read_text())["phases"]
     assert [p["name"] for p in phases] == ["decay", "code"]
+
+
+def test_steps_kept_from_before_a_phase_stay_readable(
+        data_dir, small_dir, tmp_path, capsys):  # noqa: F811
+    """eval, sample, export and inspect of a step kept before a phase that changed the decay
+    and the data read it with its own recipe; only a resume checks the data and recipe."""
+    run = tmp_path / "run"
+    assert _run(capsys, ["train", "--run-dir", run, *_mix(data_dir, small_dir), *RECIPE,
+                         "--keep-every", "2", "--max-steps", "2"])[0] == 0
+    code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume", "--phase", "anneal",
+                                 "--data", f"code={small_dir}:1", "--decay-steps", "4",
+                                 "--decay-fraction", "0.5", "--max-steps", "4"])
+    assert code == 0, err
+    weights = read_payload(run / "checkpoints" / "step-00000002" / "k3.ckpt")["model"]
+    code, out, err = _run(capsys, ["eval", "--run-dir", run, "--step", "2", "--batches", "1"])
+    assert code == 0 and out.startswith("step 2: val_loss"), err
+    code, out, err = _run(capsys, ["sample", "--run-dir", run, "--step", "2",
+                                   "--max-new-tokens", "4", "--prompt", "def"])
+    assert code == 0, err
+    code, _, err = _run(capsys, ["export", "--run-dir", run, "--step", "2", "--out",
+                                 tmp_path / "hub"])
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "hub" / "model.safetensors")
+    assert any(torch.equal(v, weights["embed.weight"]) for v in exported.values())
+    code, _, err = _run(capsys, ["inspect", run / "checkpoints" / "step-00000002"])
+    assert code == 0, err
+    # A resume from that step still checks what continuing needs: the data changed since.
+    code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume-from",
+                                 run / "checkpoints" / "step-00000002",
+                                 "--max-steps", "5"])
+    assert code == 2 and "start a new phase" in err, err

@@ -122,7 +122,7 @@ def to_hub_config(config: K3Config, *, bos_token_id: int | None = None,
         "pad_token_id": pad_token_id,
     }
     if form == KIMI_LINEAR:
-        if config.kda_output_gate_rank != config.kda_dim:
+        if config.attention == "hybrid" and config.kda_output_gate_rank != config.kda_dim:
             raise HubFormatError(
                 f"K3Config.kda_output_gate_rank: Kimi Linear's output gate has rank head_dim "
                 f"({config.kda_dim}), this model's {config.kda_output_gate_rank}")
@@ -344,6 +344,8 @@ def meaning(config: K3Config) -> dict[str, Any]:
     build the same model have the same meaning."""
     data = dataclasses.asdict(config)
     data.update({name: getattr(config, derived) for name, derived in _DERIVED.items()})
+    if config.attention != "hybrid":  # no KDA layer: the KDA fields build nothing
+        data = {name: value for name, value in data.items() if not name.startswith("kda_")}
     return data
 
 

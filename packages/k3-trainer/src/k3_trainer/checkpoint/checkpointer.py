@@ -17,7 +17,7 @@ loaders, never the optimizer): what it reads follows from what it is asked for.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,6 +47,8 @@ class Resumed:
     states were skipped for another device count)."""
     path: Path | None = None
     """The checkpoint it read (a history's ``latest`` resolved)."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """The checkpoint's saved metadata (its own train config, model config, ...)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,7 @@ class Checkpointer:
                                                       policy, subset=self.subset),
                 snapshot.restore if snapshot is not None else _nothing)
         return Resumed(digest=loaded.digest, runtime_changes=runtime_changes(loaded),
-                       path=path)
+                       path=path, metadata=loaded.metadata)
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -178,7 +178,10 @@ class CheckpointHistory:
                 moved.append(folder / entry.name)
                 os.rename(entry.path, moved[-1])
             k3_checkpoint.fsync_directory(self.root)
-        if self.latest() != mine.path or not (self.root / LATEST).is_symlink():
+        link = self.root / LATEST
+        # The link itself, not latest(): a link left dangling by the move reads as the
+        # newest checkpoint there, which is ``mine``, and would never be re-pointed.
+        if not link.is_symlink() or os.readlink(link) != mine.path.name:
             self._point_at(mine.path)
         return moved
 

@@ -69,11 +69,17 @@ def relaxed(policy: k3_checkpoint.CompatibilityPolicy) -> k3_checkpoint.Compatib
         runtime_may_differ=policy.runtime_may_differ | PORTABLE_RUNTIME, check=policy.check)
 
 
-READ_ONLY = relaxed(TRAINER_POLICY)
-"""For ``eval``, ``sample`` and ``export``: the metadata is compared as for a resume, under
-any portable runtime and data-parallel layout. Which components they read follows from
-what they ask for (a ``subset`` :class:`~k3_trainer.checkpoint.Checkpointer`): the
-optimizer and the rest of the training state are neither built nor read."""
+_RELAXED = relaxed(TRAINER_POLICY)
+READ_ONLY = k3_checkpoint.CompatibilityPolicy(
+    may_grow=_RELAXED.may_grow, may_differ=_RELAXED.may_differ | {"train_config"},
+    runtime_may_differ=_RELAXED.runtime_may_differ, check=_RELAXED.check)
+"""For ``eval``, ``sample``, ``export`` and ``inspect``: the model is compared as for a
+resume (its config, the vocabulary, QK-Clip's geometry), under any portable runtime and
+data-parallel layout, but not the recipe: a step kept from before a phase (another decay,
+another mixture) is read with its own train config. Which components they read follows
+from what they ask for (a ``subset`` :class:`~k3_trainer.checkpoint.Checkpointer`): the
+model and the counters; the optimizer and the loaders' cursors, which only a resume
+needs, are neither built nor read."""
 
 
 def qk_clip_policy(config: TrainConfig) -> QKClipPolicy:

@@ -179,12 +179,14 @@ class Restored:
 
 def restore(run_dir: Path, data: Path | None, device: torch.device,
             step: int | None = None) -> Restored:
-    """The run's model rebuilt from its run.json with its weights, counters and loader
-    cursors read from its latest checkpoint (``step``: the one of that step), for commands
-    that continue no training (eval, sample, export): only those components are read (no
-    optimizer is built), a sharded checkpoint is read into this one process, another
-    runtime (threads, torch version, device) is accepted, and the metadata is validated as
-    strictly as for a resume. The loaders read the run's global batch (every rank's rows),
+    """The run's model rebuilt from its run.json with its weights and counters read from
+    its latest checkpoint (``step``: the one of that step), for commands that continue no
+    training (eval, sample, export): only those components are read (no optimizer is
+    built, no loader cursor restored), a sharded checkpoint is read into this one
+    process, another runtime (threads, torch version, device) is accepted, and the model
+    is validated as strictly as for a resume, but not the recipe (:data:`READ_ONLY`): a
+    step kept from before a phase is read with its own train config. The loaders read
+    the run's data (its latest phase's) with the run's global batch (every rank's rows),
     so validation measures the same tokens as the run's logged one."""
     record = read_record(run_dir)
     found = checkpoint_at(run_dir, step)
@@ -198,10 +200,12 @@ def restore(run_dir: Path, data: Path | None, device: torch.device,
     seed_everything(config.seed)
     model = build_model(spec, model_config, device)
     state = TrainState()
-    states = {"model": model, "counters": state,
-              "loaders": {"train": data_loaders[0], "val": data_loaders[1]}}
-    Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY,
-                 subset=True).load(found)
+    states = {"model": model, "counters": state}
+    loaded = Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY,
+                          subset=True).load(found)
+    own = loaded.metadata.get("train_config")
+    if isinstance(own, dict):  # the step's own recipe (a step before a phase has another)
+        config = train_config_from(own, {}, {})
     return Restored(spec, model, model_config, config, state, data_loaders, data_dir)
 
 
