@@ -61,7 +61,7 @@ class ProgressBar(Callback):
 class LogLines(Callback):
     """Plain lines for a log file (nohup, a job log, CI), where a progress bar would print
     nothing useful: one per log window (step, loss, lr, tokens/s, elapsed, ETA) and one
-    per evaluation (validation, or downstream tasks)."""
+    per evaluation (validation, a mixture's each source too, or downstream tasks)."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
@@ -95,11 +95,26 @@ class LogLines(Callback):
         self._say(f"step {record['step']}/{trainer.config.max_steps} | val_loss "
                   f"{_num(record.get('val_loss'), '.4f')}"
                   + (f" | val_bpb {bpb:.4f}" if bpb is not None else "")
-                  + (f" | {tokens:,} tokens" if tokens is not None else ""))
+                  + (f" | {tokens:,} tokens" if tokens is not None else "")
+                  + _sources_line(record))
 
     def _say(self, line: str) -> None:
         stream = self.stream if self.stream is not None else sys.stdout
         print(line, file=stream, flush=True)
+
+
+def _sources_line(record: Record) -> str:
+    """A mixture's evaluation, source by source, to end its line: ``" | web 3.2100, code
+    2.8700 bpb"`` (``val_loss`` where a source has no bits per byte); empty for one dataset
+    (or a mixture of one, which the line's own figures already are)."""
+    sources = record.get("val_by_source")
+    if not isinstance(sources, dict) or len(sources) < 2:
+        return ""
+    parts = [part if isinstance(part, dict) else {} for part in sources.values()]
+    key, unit = (("val_bpb", "bpb") if all(isinstance(p.get("val_bpb"), int | float)
+                                           for p in parts) else ("val_loss", "val_loss"))
+    return " | " + ", ".join(f"{name} {_num(part.get(key), '.4f')}"
+                             for name, part in zip(sources, parts)) + f" {unit}"
 
 
 def _num(value: Any, spec: str) -> str:

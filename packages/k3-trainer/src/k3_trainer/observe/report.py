@@ -4,6 +4,10 @@ Needs matplotlib (``pip install 'k3-trainer[report]'``; the workspace's default
 environment has it). Events from every session are combined, except those a resume
 marked superseded (work after the checkpoint it resumed from, redone or, on a branch,
 abandoned); of a step logged twice anyway, the later record wins.
+
+A mixture's validation plots draw each source beside the mixture (``val_by_source``), and
+every plot marks where each phase started (the ``phase_start`` events): a phase that
+changes the weights moves the mixture's line even where no source changed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,67 @@ def _prefixed(rows: list[dict[str, Any]], prefix: str) -> list[str]:
     return sorted({k for row in rows for k in row if k.startswith(prefix)})
 
 
+def _sources(evals: list[dict[str, Any]]) -> list[str]:
+    """The sources of a mixture's evaluations, in the order they first appear; none for a
+    run on one dataset (or a mixture of one, whose line is the mixture's)."""
+    names: dict[str, None] = {}
+    for event in evals:
+        by_source = event.get("val_by_source")
+        if isinstance(by_source, dict):
+            names.update(dict.fromkeys(by_source))
+    return list(names) if len(names) > 1 else []
+
+
+def _by_source(evals: list[dict[str, Any]], source: str, key: str) -> list[Any]:
+    """``key`` (``val_loss``, ``val_bpb``) of one source at every evaluation (None where
+    the source was not evaluated: not in that phase's mixture)."""
+    values = []
+    for event in evals:
+        part = (event.get("val_by_source") or {}).get(source)
+        values.append(part.get(key) if isinstance(part, dict) else None)
+    return values
+
+
+def _phases(events: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """``(name, step)`` of each phase the run started (its ``phase_start`` events), by
+    step; of two started at one step, the later."""
+    by_step = {event["step"]: str(event.get("name")) for event in events
+               if event.get("event") == "phase_start" and isinstance(event.get("step"), int)}
+    return sorted(((name, step) for step, name in by_step.items()), key=lambda p: p[1])
+
+
+def short_count(value: float) -> str:
+    """A count as a short label: ``550k``, ``5.5M``, ``1.2B`` (4 significant digits at
+    most), never a long integer."""
+    value = float(f"{value:.4g}")
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.4g}{suffix}"
+    return f"{value:.4g}"
+
+
+def _tokens_of_steps(steps: list[int], tokens: list[Any]) -> tuple[Any, Any] | None:
+    """Steps → tokens seen and back, piecewise linear through the run's own counts (from
+    step 0, no tokens), straight on past either end (the plot's margins); None without
+    two steps of strictly growing counts."""
+    xs = np.array([0, *steps] if steps and steps[0] > 0 else steps, dtype=float)
+    ys = np.array([0, *tokens] if steps and steps[0] > 0 else tokens, dtype=float)
+    if len(xs) < 2 or not (np.all(np.diff(xs) > 0) and np.all(np.diff(ys) > 0)):
+        return None
+
+    def along(x: Any, xp: Any, fp: Any) -> Any:
+        x = np.asarray(x, dtype=float)
+        low = fp[0] + (x - xp[0]) * (fp[1] - fp[0]) / (xp[1] - xp[0])
+        high = fp[-1] + (x - xp[-1]) * (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
+        return np.where(x < xp[0], low, np.where(x > xp[-1], high, np.interp(x, xp, fp)))
+
+    return (lambda s: along(s, xs, ys)), (lambda t: along(t, ys, xs))
+
+
+PHASE_STYLES = ("--", "-.", ":")
+"""The line styles of successive phases' marks (grey vertical lines)."""
+
+
 def require_matplotlib() -> None:
     """Raise ``ConfigError`` now if matplotlib (the ``report`` extra) is missing."""
     try:
@@ -48,6 +113,7 @@ def write_report(run_dir: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -63,6 +129,18 @@ def write_report(run_dir: str | Path) -> Path:
 
     steps = [e["step"] for e in train]
     tokens = [e["tokens_seen"] for e in train]
+    to_tokens = _tokens_of_steps(steps, tokens)
+    phases = _phases(events)
+    sources = _sources(evals)
+    # One colour per line across the plots: the mixture's validation C1, the sources C2 on.
+    styles: dict[str, dict[str, Any]] = {"validation": {"color": "C1"}}
+    styles.update({f"validation: {source}": {"color": f"C{2 + i % 8}", "linewidth": 1,
+                                             "linestyle": "--"}
+                   for i, source in enumerate(sources)})
+    styles.update({source: {"color": f"C{2 + i % 8}", "linewidth": 1.2}
+                   for i, source in enumerate(sources)})
+    if sources:
+        styles["mixture (by weight)"] = {"color": "C1", "linewidth": 2}
 
     def plot(name: str, title: str, ylabel: str,
              lines: list[tuple[str, list[float], list[Any]]], log_y: bool = False,
@@ -74,8 +152,13 @@ def write_report(run_dir: str | Path) -> Path:
         for label, xs, ys in lines:
             points = [(x, y) for x, y in zip(xs, ys) if isinstance(y, int | float)]
             if points:
-                ax.plot(*zip(*points), label=label, marker="." if len(points) < 40 else None)
+                ax.plot(*zip(*points), label=label, **{
+                    "marker": "." if len(points) < 40 else None, **styles.get(label, {})})
                 values += [y for _, y in points]
+        for i, (phase, start) in enumerate(phases if values else []):  # marks on data
+            ax.axvline(start, color="0.45", linewidth=1.2,
+                       linestyle=PHASE_STYLES[i % len(PHASE_STYLES)],
+                       label=f"phase {phase} (from step {start})")
         if threshold is not None:
             label, tau = threshold
             if values and tau > 2 * max(values):  # a line there would flatten the values
@@ -86,34 +169,45 @@ def write_report(run_dir: str | Path) -> Path:
             ax.set_yscale("log")
         if from_zero:
             ax.set_ylim(bottom=0)
-        if tokens_axis and len(steps) > 1:  # tokens, read off the steps' own counts
-            top = ax.secondary_xaxis("top", functions=(
-                lambda s: np.interp(s, steps, tokens),  # type: ignore[arg-type]
-                lambda t: np.interp(t, tokens, steps)))  # type: ignore[arg-type]
+        if tokens_axis and to_tokens is not None:  # tokens, read off the steps' own counts
+            top = ax.secondary_xaxis("top", functions=to_tokens)
             top.set_xlabel("tokens seen")
+            # Few round counts, each short (5.5M, not 5500000): labels that never collide.
+            top.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+            top.xaxis.set_major_formatter(FuncFormatter(lambda x, _: short_count(x)))
         ax.grid(alpha=0.3)
         drawn = len(ax.get_legend_handles_labels()[0])
         if drawn > 1 or (drawn and threshold is not None):
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, ncol=2 if drawn > 6 else 1)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png")
         plt.close(fig)
         return f"{name}.png"
 
     eval_steps = [e["step"] for e in evals]
+    mixture = (" A mixture's validation weighs its sources by the weights of the phase it "
+               "was measured in, so a phase that changes the weights moves it "
+               "even where no source changed: compare each source's line across a phase."
+               if sources else "")
+    marked = (" Grey vertical lines: where each phase started." if phases else "")
     images = [
         (plot("loss", "Loss", "mean token loss (nats)",
               [("train", steps, [e.get("loss") for e in train]),
-               ("validation", eval_steps, [e.get("val_loss") for e in evals])],
+               ("validation", eval_steps, [e.get("val_loss") for e in evals]),
+               *((f"validation: {source}", eval_steps, _by_source(evals, source, "val_loss"))
+                 for source in sources)],
               tokens_axis=True),
          "Training loss (the mean of each log window) and validation loss, in nats per "
-         "token."),
+         f"token{' (the mixture and each source)' if sources else ''}.{mixture}{marked}"),
         (plot("val_bpb", "Validation bits per byte (comparable across tokenizers)",
               "bits per UTF-8 byte",
-              [("validation", eval_steps, [e.get("val_bpb") for e in evals])],
+              [("mixture (by weight)" if sources else "validation", eval_steps,
+                [e.get("val_bpb") for e in evals]),
+               *((source, eval_steps, _by_source(evals, source, "val_bpb"))
+                 for source in sources)],
               tokens_axis=True),
          "Validation loss in bits per UTF-8 byte of the evaluated text: the number to compare "
-         "between runs, whatever their tokenizer."),
+         f"between runs, whatever their tokenizer.{mixture}{marked}"),
         (plot("lr", "Learning rate", "LR", [("lr", steps, [e.get("lr") for e in train])]),
          "The learning rate of the last update of each log window."),
         (plot("grad_norm", "Gradient norm (pre-clip)", "L2 norm",
@@ -144,8 +238,16 @@ def write_report(run_dir: str | Path) -> Path:
         facts.append(("last validation loss", f"{evals[-1].get('val_loss', float('nan')):.4f}"))
         if isinstance(evals[-1].get("val_bpb"), float):
             facts.append(("last validation bits per byte", f"{evals[-1]['val_bpb']:.4f}"))
+        for source in sources:  # of the last evaluation that measured it
+            bpb = next((v for v in reversed(_by_source(evals, source, "val_bpb"))
+                        if isinstance(v, float)), None)
+            if bpb is not None:
+                facts.append((f"last validation bits per byte: {source}", f"{bpb:.4f}"))
     if downstream:
         facts.append(("last downstream core", f"{downstream[-1]['downstream']['core']:+.4f}"))
+    if phases:
+        facts.append(("phases", ", ".join(f"{name} from step {step}"
+                                          for name, step in phases)))
     if last.get("mfu") is not None:
         facts.append(("MFU (last window)", f"{last['mfu']:.1%}"))
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
