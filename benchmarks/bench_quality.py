@@ -508,7 +508,8 @@ def print_tables(table: dict[str, dict[str, Any]]) -> None:
         sources = sorted({s for n in names for s in table[n]["by_source"]})
         if sources:  # a mixture: each source's val_bpb (mean of the seeds) after the sweep
             for row, name in zip(rows, sorted(names, key=lambda n: table[n]["val_bpb_mean"])):
-                row[5:5] = [f"{table[name]['by_source'][s]:.4f}" for s in sources]
+                found = table[name]["by_source"]  # a candidate on the corpus alone has none
+                row[5:5] = [f"{found[s]:.4f}" if s in found else "–" for s in sources]
         print_table(f"quality: {comparison}", ["candidate", "val_bpb (seeds)", "best LR",
                                                "tok/s", "active",
                                                *(f"{s} val_bpb" for s in sources),

@@ -9,9 +9,10 @@ version in DIST, and checks in the wheel:
 - metadata: name, version, summary, ``Requires-Python``, ``License-Expression`` and
   ``License-File``, the classifiers of ``pyproject.toml``, the README as a Markdown long
   description, and every sibling requirement pinned exactly (``k3-qkclip==0.1.0``);
-- files: every file of ``src/<import>/`` (modules, ``py.typed``, package data) is in the
-  wheel with the same bytes, the LICENSE is under ``.dist-info/licenses/``, and nothing
-  else is;
+- files: every file of ``src/<import>/`` (modules, ``py.typed``, the package data its
+  ``[tool.k3] package-data`` patterns declare) is in the wheel with the same bytes, the
+  LICENSE is under ``.dist-info/licenses/``, and nothing else is; a file of any other
+  kind, in the wheel or in the source tree (a profile dump, scratch output), is refused;
 - imports: every absolute import in the wheel's modules is the standard library, the
   package itself, or a declared requirement (a sibling imported but not declared fails);
 - entry points: ``entry_points.txt`` equals ``[project.scripts]`` and each target names a
@@ -28,6 +29,7 @@ import argparse
 import ast
 import configparser
 import email
+import fnmatch
 import re
 import sys
 import tarfile
@@ -63,6 +65,7 @@ class Package:
     folder: Path
     project: dict[str, Any]
     import_name: str
+    tool: dict[str, Any]
 
     @property
     def name(self) -> str:
@@ -91,8 +94,19 @@ class Package:
             reqs.extend(extra)
         return [Requirement(r) for r in reqs]
 
-    def source_files(self) -> dict[str, bytes]:
-        """``<import>/<relative path>`` → bytes, for every file a wheel must carry."""
+    @property
+    def package_data(self) -> list[str]:
+        """Glob patterns (relative to the import package) of the data files it ships:
+        ``[tool.k3] package-data`` in its ``pyproject.toml``."""
+        return list(self.tool.get("k3", {}).get("package-data", []))
+
+    def allowed(self, name: str) -> bool:
+        """Whether ``<import>/<rel>`` may ship: a module, ``py.typed`` or declared data."""
+        rel = name.split("/", 1)[1] if "/" in name else name
+        return rel.endswith(".py") or rel == "py.typed" or any(
+            fnmatch.fnmatchcase(rel, pattern) for pattern in self.package_data)
+
+    def _tree(self) -> dict[str, bytes]:
         src = self.folder / "src" / self.import_name
         files = {}
         for path in sorted(src.rglob("*")):
@@ -104,6 +118,15 @@ class Package:
             files[f"{self.import_name}/{rel.as_posix()}"] = path.read_bytes()
         return files
 
+    def source_files(self) -> dict[str, bytes]:
+        """``<import>/<relative path>`` → bytes, for every file a wheel must carry."""
+        return {name: data for name, data in self._tree().items() if self.allowed(name)}
+
+    def stray_files(self) -> list[str]:
+        """Files under ``src/<import>/`` that are neither modules, ``py.typed`` nor declared
+        data (a profile dump, scratch output): they must not be there."""
+        return [name for name in self._tree() if not self.allowed(name)]
+
 
 def workspace_packages(root: Path = ROOT) -> list[Package]:
     packages = []
@@ -114,7 +137,7 @@ def workspace_packages(root: Path = ROOT) -> list[Package]:
         declared = wheel.get("wheel", {}).get("packages", [])
         import_name = (PurePosixPath(declared[0]).name if declared
                        else normalize(project["name"]).replace("-", "_"))
-        packages.append(Package(pyproject.parent, project, import_name))
+        packages.append(Package(pyproject.parent, project, import_name, data.get("tool", {})))
     return packages
 
 
@@ -203,8 +226,17 @@ def check_wheel(package: Package, wheel: Path, packages: list[Package],
             problems.append(f"{where}: {name} is missing from the wheel")
         elif files[name] != content:
             problems.append(f"{where}: {name} differs from the source tree (stale build?)")
+    for name in package.stray_files():
+        problems.append(f"{package.name}: src/{name} is neither a module, py.typed nor "
+                        "declared package data ([tool.k3] package-data): remove it or "
+                        "declare it")
     for name in files:
-        if name not in source and not name.startswith(f"{dist_info}/"):
+        if name.startswith(f"{dist_info}/"):
+            continue
+        if name.startswith(f"{package.import_name}/") and not package.allowed(name):
+            problems.append(f"{where}: {name} is neither a module, py.typed nor declared "
+                            "package data ([tool.k3] package-data)")
+        elif name not in source:
             problems.append(f"{where}: unexpected file {name}")
     if f"{package.import_name}/py.typed" not in files:
         problems.append(f"{where}: {package.import_name}/py.typed is missing (PEP 561: "

@@ -28,7 +28,7 @@ from pathlib import Path
 def _inject(count: int, seen: dict) -> None:
     """Fail this rank's ``count``-th checkpoint write (on whichever thread writes it)."""
     import k3_checkpoint
-    from k3_trainer.checkpoint import sharded
+    from k3_trainer.checkpoint.sharded import folder as sharded  # _hash_share's _file_entry
 
     writes: list[Path] = []  # the checkpoint folders this rank has written into, in order
 

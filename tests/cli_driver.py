@@ -137,7 +137,7 @@ def _kill_rank_inside_sharded_write(spec: str) -> None:
         raise SystemExit(f"cli_driver: unknown rank kill point {point!r}")
     if os.environ.get("RANK") != rank:
         return
-    from k3_trainer.checkpoint import sharded
+    from k3_trainer.checkpoint.sharded import write as sharded  # where _seal looks it up
 
     real_hash_share, seen = sharded._hash_share, 0
 

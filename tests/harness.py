@@ -122,7 +122,10 @@ def proc_stat(pid: int) -> list[str]:
 
 
 def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.strip()]
+    """stderr's lines, less a resume's "resumed from step N" note (printed before a
+    later failure of that session)."""
+    return [line for line in result.stderr.splitlines()
+            if line.strip() and not line.startswith("k3-train: resumed from step")]
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], match: str,

@@ -180,7 +180,7 @@ CASES = {
     "other-model-config": (_foreign("model-config"), "incompatible model_config"),
     "other-vocab": (_foreign("vocab"), "incompatible vocab_size — vocab_size: checkpoint 512"),
     "other-data-manifest": (_foreign("data-manifest"),
-                            "loaders.train refused its saved state (DataError: loader state "
+                            "loaders.train refused its saved state (DataMismatch: loader state "
                             "belongs to different data"),
     "other-optimizer-layout": (_doctored(_layout), "incompatible optimizer_layout"),
     "other-optimizer-type": (_doctored(_optimizer_type), "incompatible optimizer_type"),

@@ -160,6 +160,9 @@ WHEEL_CASES = {
                                   "imports the workspace sibling 'k3_optim'"),
     "sibling not pinned exactly": ("k3-model", _loosen_pin, "is not pinned =="),
     "entry point pointing nowhere": ("k3-trainer", _break_entry_point, "defines no 'mian'"),
+    "a profile dump beside the modules": (
+        "k3-model", lambda f: f.update({"k3_model/p2": b"\x00cProfile"}),
+        "k3_model/p2 is neither a module, py.typed nor declared package data"),
 }
 
 
@@ -200,7 +203,13 @@ def test_the_checks_catch_a_data_file_left_out_of_the_wheel(dist: Path,
     assert check_dists.check_folder(dist, root) == []  # the copy itself is faithful
     (root / "packages/k3-trainer/src/k3_trainer/corpus").mkdir()
     (root / "packages/k3-trainer/src/k3_trainer/corpus/recipe.toml").write_text("x = 1\n")
-    problems = check_dists.check_folder(dist, root)
+    problems = check_dists.check_folder(dist, root)  # undeclared: a stray file
+    assert any("src/k3_trainer/corpus/recipe.toml is neither a module" in p
+               for p in problems), problems
+    pyproject = root / "packages/k3-trainer/pyproject.toml"
+    pyproject.write_text(pyproject.read_text()
+                         + '\n[tool.k3]\npackage-data = ["corpus/*.toml"]\n')
+    problems = check_dists.check_folder(dist, root)  # declared: it must be in the wheel
     assert any("k3_trainer/corpus/recipe.toml is missing from the wheel" in p
                for p in problems), problems
 

@@ -172,3 +172,56 @@ def test_steps_kept_from_before_a_phase_stay_readable(
                                  run / "checkpoints" / "step-00000002",
                                  "--max-steps", "5"])
     assert code == 2 and "start a new phase" in err, err
+
+
+def test_hints_follow_the_kind_of_refusal_not_its_wording(
+        data_dir, small_dir, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """The train command picks its hints by the exception's type and fields: reworded
+    refusals keep them."""
+    import k3_checkpoint.policy as policy_module
+    from k3_trainer.data.loader import DataMismatch
+    from k3_trainer.data.mixture import MixtureLoader
+
+    run = tmp_path / "run"
+    assert _run(capsys, ["train", "--run-dir", run, *_mix(data_dir, small_dir), *RECIPE,
+                         "--max-steps", "2"])[0] == 0
+
+    calls = []
+    restore = MixtureLoader.load_state_dict
+
+    def reworded_data(self, state):
+        calls.append(state)
+        if len(calls) == 1:  # the saved state; the rollback's own state is taken
+            raise DataMismatch("these cursors are for some other corpus")
+        restore(self, state)
+
+    monkeypatch.setattr(MixtureLoader, "load_state_dict", reworded_data)
+    code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume", "--max-steps", "4"])
+    assert code == 2 and "some other corpus" in err
+    assert "the run was trained on" in err and "--phase NAME" in err
+    monkeypatch.undo()
+
+    monkeypatch.setattr(policy_module, "_message", lambda refused, order: "the recipe moved")
+    code, _, err = _run(capsys, ["train", "--run-dir", run, "--resume", "--decay-steps", "4",
+                                 "--max-steps", "4"])
+    assert code == 2 and "the recipe moved" in err and "--phase NAME" in err
+
+
+def test_the_runtime_hint_follows_the_refused_section_not_the_wording(tmp_path):
+    import k3_checkpoint
+    from k3_trainer.cli.options import TrainCommand
+    from k3_trainer.cli.train import _with_runtime_hint
+
+    command = TrainCommand(run_dir=tmp_path)
+    runtime = k3_checkpoint.IncompatibleCheckpoint(
+        "the machine is not the one it was", sections=("runtime",),
+        paths=("runtime.num_threads",), path=tmp_path / "k3.ckpt")
+    hinted = _with_runtime_hint(runtime, command)
+    assert isinstance(hinted, k3_checkpoint.IncompatibleCheckpoint)
+    assert str(hinted).endswith("pass --allow-runtime-change to continue anyway "
+                                "(no bitwise promise)")
+    assert hinted.path == runtime.path and hinted.sections == ("runtime",)
+    other = k3_checkpoint.IncompatibleCheckpoint(
+        "incompatible runtime — but in train_config", sections=("train_config",),
+        paths=("train_config.peak_lr",))
+    assert _with_runtime_hint(other, command) is other

@@ -9,7 +9,7 @@ live run before changing anything.
 from importlib.metadata import PackageNotFoundError, version
 
 from .components import Components, Stateful
-from .errors import CheckpointError
+from .errors import CheckpointError, ComponentRefused, IncompatibleCheckpoint
 from .integrity import file_checksum
 from .layout import optimizer_identity, optimizer_layout
 from .load import LoadedCheckpoint, load_checkpoint
@@ -36,7 +36,9 @@ __all__ = [
     "CheckpointSnapshot",
     "CheckpointSummary",
     "CompatibilityPolicy",
+    "ComponentRefused",
     "Components",
+    "IncompatibleCheckpoint",
     "LoadedCheckpoint",
     "Stateful",
     "ValidRng",

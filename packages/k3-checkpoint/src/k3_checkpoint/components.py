@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ComponentRefused
 from .layout import (
     check_layout,
     check_optimizer_state,
@@ -150,9 +150,9 @@ class Tree:
                 component.load_state_dict(saved[name])
             except Exception as error:
                 _roll_back(self.others, previous, done)
-                raise CheckpointError(
+                raise ComponentRefused(
                     f"{name} refused its saved state ({type(error).__name__}: {error}); nothing "
-                    "was restored"
+                    "was restored", component=name, error=error,
                 ) from error
 
     def restore_torch(self, saved: Mapping[str, Any]) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from .errors import CheckpointError
+from .errors import IncompatibleCheckpoint
 from .plain import MISSING, describe, leaf_differences
 
 __all__ = ["Changes", "CompatibilityPolicy"]
@@ -97,7 +97,11 @@ class CompatibilityPolicy:
             if problem is not None:
                 refused.append((self.step_limit[0], problem))
         if refused:
-            raise CheckpointError(_message(refused, [*current, *saved]))
+            order = [*current, *saved]
+            sections = sorted({place.split(".", 1)[0] for place, _ in refused},
+                              key=order.index)
+            raise IncompatibleCheckpoint(_message(refused, order), sections=tuple(sections),
+                                         paths=tuple(place for place, _ in refused))
         if self.check is not None:
             self.check(saved, current)
         return accepted

@@ -23,6 +23,17 @@ LayerType = Literal["kda", "mla", "gqa"]
 KDA_CHUNK_SIZES = (16, 32, 64)
 
 
+def later(default: Any) -> Any:
+    """A field added after 0.1.0: its ``default`` is what a config saved before it existed
+    means, so ``to_dict`` leaves it out at that default (see :func:`later_fields`)."""
+    return dataclasses.field(default=default, metadata={"later": True})
+
+
+def later_fields(config: Any) -> dict[str, Any]:
+    """``{name: default}`` of a config dataclass's fields declared with :func:`later`."""
+    return {f.name: f.default for f in dataclasses.fields(config) if f.metadata.get("later")}
+
+
 @dataclass(frozen=True)
 class K3Config:
     """Shape of a :class:`~k3_model.K3Model` (defaults: a small MHA + MoE model; the
@@ -65,7 +76,7 @@ class K3Config:
     """MLA: per-head query dims that meet the one key slice shared by all heads."""
     v_head_dim: int = 32
     """MLA: per-head value width."""
-    mla_norm_eps: float | None = None
+    mla_norm_eps: float | None = later(None)
     """MLA: epsilon of the query and latent RMSNorms (unset: norm_eps; Kimi Linear's is
     1e-6)."""
     mla_rope: bool | None = None
@@ -82,12 +93,12 @@ class K3Config:
     """KDA: chunk of the chunked recurrence (16, 32 or 64)."""
     kda_backend: KDABackend = "auto"
     """KDA kernel: torch, fla (CUDA), or auto (fla when usable)."""
-    kda_decay: KDADecay = "bounded"
+    kda_decay: KDADecay = later("bounded")
     """KDA forget gate: bounded (K3: g = kda_gate_lower_bound·σ(exp(A_log)·(f + dt_bias)))
     or softplus (Kimi Linear: g = −exp(A_log)·softplus(f + dt_bias), unbounded)."""
-    kda_gate_lower_bound: float = -5.0
+    kda_gate_lower_bound: float = later(-5.0)
     """KDA, bounded decay: the least log decay per step (K3's −5)."""
-    kda_output_gate_rank: int = 0
+    kda_output_gate_rank: int = later(0)
     """KDA: rank of the output gate σ(W_g x) (0: full rank, K3's; Kimi Linear's is
     kda_head_dim)."""
     attn_res_block_size: int = 0
@@ -348,12 +359,12 @@ class K3Config:
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (str/int/float/bool/None), what a checkpoint stores and compares.
 
-        Fields added after 0.1.0 (:data:`LATER_FIELDS`) are left out while they hold their
-        default, which is the meaning a config saved before they existed has: such a
+        Fields added after 0.1.0 (declared with :func:`later`) are left out while they hold
+        their default, which is the meaning a config saved before they existed has: such a
         checkpoint still compares equal, and ``from_dict`` fills them back in.
         """
         data = dataclasses.asdict(self)
-        for name, default in LATER_FIELDS.items():
+        for name, default in later_fields(self).items():
             if data[name] == default:
                 del data[name]
         return data
@@ -381,11 +392,8 @@ class K3Config:
         return dataclasses.replace(self, **changes)
 
 
-# Added after 0.1.0, with the default that keeps an older config's meaning.
-LATER_FIELDS: Mapping[str, Any] = {
-    "kda_decay": "bounded", "kda_gate_lower_bound": -5.0, "kda_output_gate_rank": 0,
-    "mla_norm_eps": None,
-}
+LATER_FIELDS: Mapping[str, Any] = later_fields(K3Config)
+"""Fields added after 0.1.0 with the default that keeps an older config's meaning."""
 
 _INT_OR_NONE = ("n_kv_heads", "head_dim", "kda_heads", "kda_head_dim")
 _FLOAT_OR_NONE = ("mla_norm_eps",)

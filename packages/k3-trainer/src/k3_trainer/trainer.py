@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import signal
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,18 +26,18 @@ from k3_qkclip import QKClip
 from .callbacks import Callback, Callbacks
 from .checkpoint import (
     TRAINER_POLICY,
-    BackgroundWriter,
     Checkpointer,
     CheckpointHistory,
     CheckpointStore,
     CheckpointWriteError,
     FixedPath,
     Resumed,
-    Written,
     qk_clip_policy,
     run_metadata,
 )
 from .checkpoint.agreement import raise_on_every_rank
+from .checkpoint.components import CALLBACKS, COUNTERS, GRAD_SCALER, LOADERS, MODEL, OPTIMIZER
+from .checkpoint.saves import WRITE_FAILED, Saves
 from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
 from .contract import ModelContract, check_model, check_takes_documents
@@ -60,9 +59,6 @@ from .schedule import learning_rate_at_step
 from .state import ScalerState, TrainState
 
 MAX_CONSECUTIVE_SKIPS = 32
-WRITE_FAILED = signal.NSIG
-"""The stop code every rank agrees on, as on a signal, when a background checkpoint write
-failed on one (beyond any signal number, so it wins the ranks' max)."""
 Batch = tuple[torch.Tensor, torch.Tensor]  # as data.protocol's
 
 logger = logging.getLogger(__name__)
@@ -153,32 +149,37 @@ class Trainer:
         self.store: CheckpointStore | None = (
             FixedPath(checkpoint_path, sharded) if isinstance(checkpoint_path, (str, Path))
             else checkpoint_path)
-        self.checkpoint_path: Path | None = (
-            None if self.store is None else getattr(self.store, "path", None)
-            or getattr(self.store, "root", None))
-        """Where the last checkpoint went (before any: the path or the history's folder)."""
-        self.background = BackgroundWriter()
-        self._write_failure: BaseException | None = None
-        self._held_bytes = 0
         self._stop_signal: int | None = None
         self._agreed_stop = 0  # the largest signal any rank had, as of the last loss reduce
-        self._saved_step: int | None = None
         self.checkpointer = Checkpointer(self.states(),
                                          run_metadata(self.contract, config, parallel),
                                          TRAINER_POLICY, parallel)
+        self.saves = Saves(self.checkpointer, self.store, parallel,
+                           background=config.async_checkpoint, event=self._event,
+                           region=self.profiler.region, stop=self.request_stop)
+        """The run's saves (in the background with ``config.async_checkpoint``)."""
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """Where the last checkpoint went (before any: the path or the history's folder)."""
+        return self.saves.path
+
+    @checkpoint_path.setter
+    def checkpoint_path(self, path: Path | None) -> None:
+        self.saves.path = path
 
     def states(self) -> dict[str, Any]:
         """Everything a checkpoint saves and restores: the one place to add a stateful part
         of the run (a stateful callback adds itself under ``callbacks``)."""
         states: dict[str, Any] = {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "counters": self.state,
-            "grad_scaler": ScalerState(self.scaler),
-            "loaders": {"train": self.loaders.train, "val": self.loaders.val},
+            MODEL: self.model,
+            OPTIMIZER: self.optimizer,
+            COUNTERS: self.state,
+            GRAD_SCALER: ScalerState(self.scaler),
+            LOADERS: {"train": self.loaders.train, "val": self.loaders.val},
         }
         if self.callbacks.states():
-            states["callbacks"] = self.callbacks.states()
+            states[CALLBACKS] = self.callbacks.states()
         return states
 
     def resume(self, path: str | Path, *, allow_runtime_change: bool = False,
@@ -222,7 +223,21 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------
 
     def fit(self) -> TrainState:
-        """Train until ``state.step == config.max_steps``; returns the final counters."""
+        """Train until ``state.step == config.max_steps``; returns the final counters.
+
+        On failure every callback hears of it (``on_error``); at the end, trained, stopped
+        or failed, every callback is closed (``close``)."""
+        try:
+            return self._fit()
+        except TrainingInterrupted:
+            raise
+        except BaseException as error:
+            self.callbacks.error(self, error)
+            raise
+        finally:
+            self.callbacks.close()
+
+    def _fit(self) -> TrainState:
         config = self.config
         prepare_model(self.model, config)
         self.model.train()
@@ -241,13 +256,13 @@ class Trainer:
             try:
                 stop = self._train(qk_clip)
             except CheckpointWriteError as error:  # a save failed (its own or the last one)
-                self._drain_writes()
+                self.saves.drain()
                 stop, failure = None, error
             except BaseException:
-                self._drain_writes()  # the save in flight still lands; the error goes on
+                self.saves.drain()  # the save in flight still lands; the error goes on
                 raise
             else:
-                failure = self._collect_write(wait=True, agree=True, raise_=False)
+                failure = self.saves.finish()
         if failure is not None:
             self._event("session_end", step=self.state.step,
                         tokens_seen=self.state.tokens_seen, checkpoint_failed=str(failure))
@@ -283,7 +298,7 @@ class Trainer:
         if stop is None and self.parallel is not None:
             stop = self._stop_agreed_at_the_end()
         if stop is not None and stop != WRITE_FAILED and self.store is not None and \
-                self._saved_step != self.state.step:
+                self.saves.saved_step != self.state.step:
             self.save_checkpoint()
         return None if stop == WRITE_FAILED else stop
 
@@ -415,8 +430,8 @@ class Trainer:
             self.evaluate()
         if self.store is not None and (final or step % config.checkpoint_interval == 0):
             self.save_checkpoint()
-        elif self.background.in_flight:
-            self._collect_write(wait=False, agree=False)
+        else:
+            self.saves.poll()
 
     def log_window(self) -> None:
         """Report the log window's summary (``train`` event) and start a new window."""
@@ -449,69 +464,7 @@ class Trainer:
         is written in the background: its ``checkpoint`` event carries the digest once it
         is durable). A write still in flight is waited for first (its failure raised on
         every rank)."""
-        assert self.store is not None, "this trainer has no checkpoint_path"
-        self._collect_write(wait=True, agree=True)
-        step = self.state.step
-        with self.profiler.region("checkpoint"):
-            start = time.perf_counter()
-            if self.config.async_checkpoint:
-                started = self.checkpointer.start(self.store, step)
-                self.background.submit(step, started.work, time.perf_counter() - start)
-                self._held_bytes = started.nbytes
-                digest = ""
-            else:
-                digest, path = self.checkpointer.write(self.store, step)
-                self._written(Written(step, path, digest, time.perf_counter() - start, 0.0))
-        self._saved_step = step
-        return digest
-
-    def _written(self, written: Written) -> None:
-        """A checkpoint is durable and published: the ``checkpoint`` event."""
-        if written.path is not None:
-            self.checkpoint_path = written.path
-        background = {"background": True, "write_s": round(written.write_s, 4),
-                      "held_bytes": self._held_bytes} if self.config.async_checkpoint else {}
-        self._event("checkpoint", step=written.step, path=str(self.checkpoint_path),
-                    digest=written.digest, blocked_s=round(written.blocked_s, 4),
-                    **background)
-
-    def _collect_write(self, *, wait: bool, agree: bool,
-                       raise_: bool = True) -> BaseException | None:
-        """Collect the background write if it finished (``wait``: once it has).
-
-        A failure is kept: without ``agree`` it asks every rank to stop at the next
-        boundary (as a signal would); with ``agree`` (called on every rank at the same
-        step) every rank raises it, a rank without one saying another rank's write
-        failed (``raise_=False`` returns it instead)."""
-        failure, self._write_failure = self._write_failure, None
-        if failure is None:
-            try:
-                written = self.background.wait() if wait else self.background.poll()
-            except Exception as error:  # kept, and raised at a step every rank agrees on
-                failure = error
-            else:
-                if written is not None:
-                    self._written(written)
-        if not agree:
-            if failure is not None:
-                self._write_failure = failure
-                self._stop_signal = WRITE_FAILED
-            return None
-        if self.parallel is not None and self.parallel.any(failure is not None) \
-                and failure is None:
-            failure = CheckpointWriteError(self.checkpoint_path or ".", OSError(
-                0, "another rank's checkpoint write failed (see its error line)"))
-        if failure is not None and raise_:
-            raise failure
-        return failure
-
-    def _drain_writes(self) -> None:
-        """Training failed: let the write in flight finish (its own failure only logged,
-        the training error is the one to report)."""
-        self._collect_write(wait=True, agree=False)
-        if self._write_failure is not None:
-            logger.error("the background checkpoint write failed too: %s", self._write_failure)
-            self._write_failure = None
+        return self.saves.save(self.state.step)
 
     # --- helpers ---------------------------------------------------------------------------
 

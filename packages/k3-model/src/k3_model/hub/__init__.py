@@ -62,7 +62,9 @@ def save_pretrained(model: K3Model, path: str | Path, *, dtype: torch.dtype | No
     fp32); a shard holds at most ``max_shard_bytes``. The token ids go into
     ``config.json``, and with ``eos_token_id`` a ``generation_config.json`` is written.
     ``extra_files`` (name → text or bytes, e.g. the tokenizer's) are written beside.
-    An existing non-empty ``path`` is replaced only with ``overwrite``.
+    An existing non-empty ``path`` is replaced only with ``overwrite`` and only when it is
+    a previous export (:func:`~k3_model.hub.files.export_refusal`), once the new one is
+    complete; any other is refused naming what it holds (:class:`~k3_model.hub.files.FolderInUse`).
     """
     if not isinstance(model, K3Model):
         raise TypeError(f"save_pretrained needs a K3Model, got {type(model).__name__}")

@@ -1,16 +1,20 @@
 """A hub folder on disk: safetensors shards, their index, JSON files; written atomically.
 
-Writing builds the whole folder beside the target (``.<name>.tmp-<pid>``), fsyncs every
+Writing builds the whole folder beside the target (``.<name>.tmp-…``), fsyncs every
 file and the folder, then renames it into place: a reader sees a complete folder or none.
-Reading goes through ``safetensors`` only (no pickle) and checks what the index promises
-against what the shards hold before any tensor is used.
+An existing folder is replaced only when it is a previous export (:func:`export_refusal`),
+and only once the new one is complete. Reading goes through ``safetensors`` only (no
+pickle) and checks what the index promises against what the shards hold before any
+tensor is used.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,10 +24,19 @@ import torch
 from torch import Tensor
 
 from .config import HubFormatError
+from .remote import REMOTE_FILES
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+EXPORT_FILES = frozenset({CONFIG, SINGLE, INDEX, "generation_config.json", *REMOTE_FILES,
+                          "tokenizer.json", "tokenizer_config.json"})
+"""The names a previous export may hold, beside its shards (:data:`SHARD`): what
+``save_pretrained`` writes (``config.json``, the weights, ``generation_config.json``, the
+Kimi K3 form's modeling code) and the tokenizer files ``k3-train export`` adds."""
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+"""A shard's name (``model-00001-of-00003.safetensors``), as :func:`write_tensors` and
+transformers name them."""
 
 
 def _fsync(path: Path) -> None:
@@ -34,34 +47,133 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+class FolderInUse(FileExistsError):
+    """An existing folder :func:`atomic_folder` will not replace, in one line naming what
+    it holds. ``reason``: why it is not a previous export, phrased to follow "``path``
+    already exists and" (None: it is one, and ``overwrite`` was not given); ``entries``:
+    its names, sorted (a folder's with a trailing ``/``, a link's with ``@``)."""
+
+    def __init__(self, message: str, path: Path, reason: str | None,
+                 entries: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.path, self.reason, self.entries = path, reason, entries
+
+
+def listed(names: list[str] | tuple[str, ...], limit: int = 4) -> str:
+    """``a, b, c and 2 more``: the first ``limit`` of ``names``."""
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def _entries(folder: Path) -> tuple[list[str], list[str]]:
+    """The folder's names (a folder's with ``/``, a link's with ``@``), sorted, and those no
+    export writes: anything but a plain file named in :data:`EXPORT_FILES` or a shard."""
+    names, unexpected = [], []
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        link, sub = entry.is_symlink(), entry.is_dir()
+        name = entry.name + ("@" if link else "/" if sub else "")
+        names.append(name)
+        if link or sub or not entry.is_file() or not (
+                entry.name in EXPORT_FILES or SHARD.fullmatch(entry.name)):
+            unexpected.append(name)
+    return names, unexpected
+
+
+def export_refusal(path: Path) -> tuple[tuple[str, ...], str | None]:
+    """What the existing ``path`` holds and why it is not a previous export (None: it is
+    one, or an empty folder), phrased to follow "``path`` already exists and".
+
+    A previous export is a folder (not a link) holding ``config.json`` and the weights
+    (``model.safetensors``, or ``model.safetensors.index.json`` with its shards) and
+    nothing but plain files named in :data:`EXPORT_FILES` or shards: no other file, no
+    subfolder, no link. Only such a folder may be replaced (``overwrite``): removing it
+    removes nothing of anyone else's."""
+    if path.is_symlink():
+        return (), f"is a symbolic link (to {os.readlink(path)})"
+    if not path.is_dir():
+        return (), "is not a folder"
+    names, unexpected = _entries(path)
+    if not names:
+        return (), None
+    if unexpected:
+        return tuple(names), f"holds {listed(unexpected)}, which no export writes"
+    if CONFIG not in names:
+        return tuple(names), f"holds no {CONFIG}, so it is not a previous export"
+    if SINGLE not in names and INDEX not in names:
+        return tuple(names), (f"holds neither {SINGLE} nor {INDEX}, so it is not a "
+                              "previous export")
+    return tuple(names), None
+
+
+def _refusal(path: Path, overwrite: bool, shown: Path) -> FolderInUse | None:
+    """Why ``atomic_folder`` must not replace ``path`` (named ``shown``), or None."""
+    entries, reason = export_refusal(path)
+    if reason is not None:
+        return FolderInUse(f"{shown} already exists and {reason}; choose another folder or "
+                           "move it aside yourself (overwrite replaces only a previous export: "
+                           "a folder of the files save_pretrained and k3-train export write "
+                           "and nothing else)", shown, reason, entries)
+    if entries and not overwrite:
+        return FolderInUse(f"{shown} already exists: a previous export ({len(entries)} "
+                           f"files: {listed(entries)}); overwrite=True replaces it",
+                           shown, None, entries)
+    return None
+
+
 @contextmanager
 def atomic_folder(path: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """A fresh folder to fill; on success it replaces ``path`` in one rename (an existing
-    ``path`` only with ``overwrite``), on failure it is removed and ``path`` is untouched."""
+    """A fresh folder to fill; on success it replaces ``path`` in one rename.
+
+    An existing ``path`` must be an empty folder or, with ``overwrite``, a previous export
+    (:func:`export_refusal`); anything else is refused with :class:`FolderInUse` before
+    anything is written, and checked again once the new folder is complete (after the old
+    one is moved aside, so nothing written into it meanwhile is lost). The old folder is
+    removed only once the new one is in its place. On failure (an exception while the
+    folder is filled, or a refusal) the new folder is removed and ``path`` is as it was;
+    only a crash between the two renames would leave the old folder beside ``path`` as
+    ``.<name>.old-…``. Nothing outside ``path`` and these hidden siblings is touched."""
     path = Path(path)
-    if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{path} already exists; choose another folder or remove it")
+    refused = _refusal(path, overwrite, path) if os.path.lexists(path) else None
+    if refused is not None:
+        raise refused
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; a folder's usual mode
         yield staging
         for child in staging.iterdir():
             _fsync(child)
         _fsync(staging)
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-        staging.rename(path)
-        _fsync(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _move_into_place(staging, path, overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _move_into_place(staging: Path, path: Path, overwrite: bool) -> None:
+    """``staging`` renamed to ``path``; an existing ``path`` is first moved aside, checked
+    again (it may have changed while the new folder was written), and removed only once
+    ``staging`` is in its place; on any failure it is moved back."""
+    if not os.path.lexists(path):
+        staging.rename(path)
+        _fsync(path.parent)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    try:
+        path.rename(aside)  # onto the empty folder just made: a name nobody else uses
+    except BaseException:
+        aside.rmdir()
+        raise
+    try:
+        refused = _refusal(aside, overwrite, path)
+        if refused is not None:
+            raise refused
+        staging.rename(path)
+    except BaseException:
+        aside.rename(path)  # as it was
+        raise
+    _fsync(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _shards(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:

@@ -13,6 +13,7 @@ validated and restored on resume, and rolled back with the rest when a resume is
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +27,8 @@ from ..config import TrainConfig
 from ..observe.metrics import Record
 from ..observe.profiling import TrainingProfiler
 from ..state import TrainState
+
+logger = logging.getLogger(__name__)
 
 
 class Run(Protocol):
@@ -100,6 +103,15 @@ class Callback:
     def on_session_end(self, trainer: Run, record: Record) -> None:
         """The session trained to ``max_steps`` (``session_end`` event: phase times)."""
 
+    def on_error(self, trainer: Run, error: BaseException) -> None:
+        """``fit()`` is failing with ``error`` (a non-finite loss, a failed checkpoint
+        write, an exception of the model or of a callback); called before :meth:`close`,
+        then the error goes on. A stop asked for (Ctrl-C, a signal) is no error."""
+
+    def close(self) -> None:
+        """The session is over, trained, stopped or failed: release what the callback holds
+        (files, writers, bars). Called once at the end of every ``fit()``, last."""
+
 
 def callback_name(callback: Callback) -> str:
     """The checkpoint key of a stateful callback."""
@@ -149,6 +161,29 @@ class Callbacks:
                              f"{', '.join(_HOOK_OF_EVENT)}")
         for callback in self.items:
             getattr(callback, hook)(trainer, record)
+
+    def error(self, trainer: Run, error: BaseException) -> None:
+        """Every callback's :meth:`Callback.on_error`; one that raises does not keep the
+        others from hearing of the error, which is what goes on."""
+        for callback in self.items:
+            try:
+                callback.on_error(trainer, error)
+            except Exception as problem:  # the run's own error is the one to report
+                logger.warning("%s.on_error raised %s: %s (while the run failed with %s)",
+                               callback_name(callback), type(problem).__name__, problem,
+                               type(error).__name__)
+
+    def close(self) -> None:
+        """Every callback's :meth:`Callback.close`, each called even when one raises (the
+        first such error is raised after all of them ran)."""
+        first: Exception | None = None
+        for callback in self.items:
+            try:
+                callback.close()
+            except Exception as problem:
+                first = first or problem
+        if first is not None:
+            raise first
 
     def attempt_start(self, trainer: Run, step: int) -> None:
         for callback in self.items:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ..observe.metrics import Record, event_record
 from .base import Callback, Run
@@ -21,15 +21,20 @@ class MetricsLog(Callback):
 
     def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path is not None else None
-        self._file = None
+        self._file: TextIO | None = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            torn = self.path.exists() and self.path.stat().st_size > 0 and \
-                self.path.read_bytes()[-1:] != b"\n"
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-            if torn:  # a crash cut the last line short: keep the next event on its own line
-                self._file.write("\n")
+            self._open(self.path)
         self.events: list[dict[str, Any]] = []
+
+    def _open(self, path: Path) -> TextIO:
+        """The file, opened for appending (again after :meth:`close`: a later session of
+        the same trainer writes on)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torn = path.exists() and path.stat().st_size > 0 and path.read_bytes()[-1:] != b"\n"
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        if torn:  # a crash cut the last line short: keep the next event on its own line
+            self._file.write("\n")
+        return self._file
 
     def write(self, event: str, **fields: Any) -> Record:
         """Record an event of the caller's own (e.g. ``runtime_changed``)."""
@@ -37,9 +42,10 @@ class MetricsLog(Callback):
 
     def append(self, record: Record) -> Record:
         self.events.append(record)
-        if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=False) + "\n")
-            self._file.flush()
+        if self.path is not None:
+            file = self._file or self._open(self.path)
+            file.write(json.dumps(record, sort_keys=False) + "\n")
+            file.flush()
         return record
 
     def close(self) -> None:

@@ -53,6 +53,9 @@ class ProgressBar(Callback):
             self.bar.refresh()
 
     def on_session_end(self, trainer: Run, record: Record) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -70,3 +70,4 @@ class TensorBoard(Callback):
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None  # a later session opens a new one

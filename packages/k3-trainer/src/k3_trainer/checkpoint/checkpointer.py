@@ -10,8 +10,9 @@ on one rank fails on all, and a load refused on one rank is refused on all, a ra
 had accepted rolling back by the same :class:`Snapshot` of ``states`` in every mode.
 
 A checkpointer built with ``subset=True`` loads the components it was given and leaves
-the checkpoint's others unread (``eval`` and ``sample`` read the model, counters and
-loaders, never the optimizer): what it reads follows from what it is asked for.
+the checkpoint's others unread (``eval``, ``sample`` and ``export`` read the model and
+the counters, :data:`~k3_trainer.checkpoint.components.READ_ONLY_COMPONENTS`, never the
+optimizer or the loaders' cursors): what it reads follows from what it is asked for.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..distributed import Parallel
 from . import sharded as shards
 from .agreement import Snapshot, load_on_every_rank, raise_on_every_rank
 from .background import Work
+from .components import MODEL
 from .files import CheckpointStore, CheckpointWriteError, FixedPath, checkpoint_file
 from .history import META, CheckpointHistory
 from .policy import TRAINER_POLICY, phase_policy, relaxed, runtime_changes
@@ -67,14 +69,14 @@ class Checkpointer:
     def __init__(self, states: Mapping[str, Any], metadata: Mapping[str, Any],
                  policy: k3_checkpoint.CompatibilityPolicy = TRAINER_POLICY,
                  parallel: Parallel | None = None, *, subset: bool = False) -> None:
-        if not isinstance(states.get("model"), nn.Module):
+        if not isinstance(states.get(MODEL), nn.Module):
             raise TypeError("Checkpointer states need the model under 'model'")
         self.states = dict(states)
         self.metadata = dict(metadata)
         self.policy = policy
         self.parallel = parallel
         self.subset = subset
-        self.model: nn.Module = states["model"]
+        self.model: nn.Module = states[MODEL]
 
     @property
     def sharded(self) -> bool:

@@ -89,15 +89,6 @@ class RunHistory(CheckpointHistory):
         return final
 
 
-def store_of(target: str | os.PathLike[str] | CheckpointStore, sharded: bool
-             ) -> CheckpointStore:
-    """A trainer's ``checkpoint_path``: a history (or any store) as it is, a path as one
-    checkpoint rewritten in place."""
-    if isinstance(target, (str, os.PathLike)):
-        return FixedPath(target, sharded)
-    return target
-
-
 def run_history(run_dir: Path, keep_last: int = 1, keep_every: int | None = None
                 ) -> RunHistory:
     return RunHistory(run_dir / HISTORY, keep_last, keep_every)

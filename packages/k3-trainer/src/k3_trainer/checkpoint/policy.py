@@ -16,6 +16,7 @@ from k3_qkclip import QKClip, QKClipPolicy
 from ..config import ConfigError, TrainConfig
 from ..contract import ModelContract
 from ..distributed import Parallel
+from .components import COUNTERS
 
 # Fields that may change on resume without touching the training trajectory: intervals
 # only decide when to log/evaluate/save, how a checkpoint is written and how many are kept
@@ -31,7 +32,7 @@ TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
         "eval_tokens", "async_checkpoint", "keep_last", "keep_every",
         "activation_checkpointing", "expert_parallel", "downstream", "downstream_interval",
         "downstream_limit")),
-    step_limit=("train_config.max_steps", "counters.step"),
+    step_limit=("train_config.max_steps", f"{COUNTERS}.step"),
 )
 
 PHASE_MAY_CHANGE = frozenset(f"train_config.{name}" for name in (

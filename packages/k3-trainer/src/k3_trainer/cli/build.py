@@ -200,7 +200,9 @@ def restore(run_dir: Path, data: Path | None, device: torch.device,
     seed_everything(config.seed)
     model = build_model(spec, model_config, device)
     state = TrainState()
-    states = {"model": model, "counters": state}
+    from ..checkpoint.components import read_only_states  # the components, declared once
+
+    states = read_only_states(model, state)
     loaded = Checkpointer(states, run_metadata(check_model(model), config), READ_ONLY,
                           subset=True).load(found)
     own = loaded.metadata.get("train_config")
@@ -270,18 +272,22 @@ def _recorded_world_size(record: dict[str, Any]) -> int:
 
 
 def pretrained(folder: Path, data: Path | None, device: torch.device,
-               flag: str = "--model") -> Restored:
-    """A hub folder's model with the validation data it is evaluated on (``--data``,
-    prepared with the folder's tokenizer), read with the default recipe's batch shape."""
+               flag: str = "--model", sources: tuple[Source, ...] = ()) -> Restored:
+    """A hub folder's model with the validation data it is evaluated on (``--data``, or a
+    mixture of ``sources``, prepared with the folder's tokenizer), read with the default
+    recipe's batch shape and validation budget."""
+    if sources:
+        data = sources[0].path
     if data is None:
         raise ConfigError(f"{flag} needs --data: a dataset prepared with the model's "
-                          "tokenizer (k3-train prepare ... --tokenizer MODEL/tokenizer.json)")
+                          "tokenizer (k3-train prepare ... --tokenizer MODEL/tokenizer.json), "
+                          "or a mixture's sources, NAME=DIR[:WEIGHT] each")
     spec, model = load_folder(folder, device)
     model_config = getattr(model, "config", None)
     longest = getattr(model_config, "max_seq_len", None)
     seq_len = TrainConfig().seq_len
     config = TrainConfig(seq_len=min(seq_len, longest) if isinstance(longest, int) else seq_len)
-    data_loaders = loaders(config, model_config, data, None)
+    data_loaders = loaders(config, model_config, data, None, sources)
     note = check_tokenizer(folder, load_codec(data, read_manifest(data)), data, flag)
     if note is not None:
         print(f"k3-train: note: {note}", file=sys.stderr)

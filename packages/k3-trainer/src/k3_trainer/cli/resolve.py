@@ -47,7 +47,6 @@ else:  # pragma: no cover
 
 VOCAB_MULTIPLE = 128
 METRICS = "metrics.jsonl"
-DEFAULT_PRESET = "tiny"
 
 
 class RunError(Exception):

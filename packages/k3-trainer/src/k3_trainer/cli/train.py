@@ -18,7 +18,7 @@ from ..checkpoint import HISTORY, CheckpointHistory, run_history
 from ..checkpoint.policy import PHASE_MAY_CHANGE
 from ..config import ConfigError
 from ..data import document_start, load_codec
-from ..data.loader import manifest_digest, read_manifest
+from ..data.loader import DataMismatch, manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
 from ..observe.metrics import mark_superseded
@@ -114,6 +114,9 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
                        f"{error.filename}); fix its permissions or choose another --run-dir"
                        ) from None
     # Said once every check has passed and the session is really going to train.
+    if plan.resume_from is not None:  # --resume and --resume-from: where training goes on
+        print(f"k3-train: resumed from step {trainer.state.step} "
+              f"({trainer.state.tokens_seen:,} tokens seen)", file=sys.stderr)
     for note in (*plan.notes,
                  *horizon_notes(config, horizon_unset=plan.horizon_unset)):
         print(f"k3-train: note: {note}", file=sys.stderr)
@@ -173,14 +176,13 @@ def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
     """``error``, saying in command-line terms how to continue when what it refused is only
     the runtime or the data-parallel layout: relaunch as the run last ran (its thread
     count, its torchrun layout, from run.json), or opt in to the change."""
-    refused = error.reason.split(" — ", 1)[0]
-    if command.allow_runtime_change or refused not in ("incompatible runtime",
-                                                       "incompatible data_parallel"):
+    if command.allow_runtime_change or not isinstance(
+            error, k3_checkpoint.IncompatibleCheckpoint) or error.sections[0] not in (
+            "runtime", "data_parallel"):
         return error
-    relaunch = _relaunch_advice(command.run_dir, layout=refused.endswith("data_parallel"))
-    return k3_checkpoint.CheckpointError(
-        f"{error.reason}; {relaunch}pass --allow-runtime-change to continue anyway (no bitwise "
-        "promise)", path=error.path)
+    relaunch = _relaunch_advice(command.run_dir, layout=error.sections[0] == "data_parallel")
+    return error.with_hint(f"{relaunch}pass --allow-runtime-change to continue anyway (no "
+                           "bitwise promise)")
 
 
 def _relaunch_advice(run_dir: Path, *, layout: bool) -> str:
@@ -213,14 +215,20 @@ def _with_data_hint(error: k3_checkpoint.CheckpointError,
     ``--phase`` when a new phase could make the change it refused."""
     phase = "" if plan.phase is not None else (
         "; to change the data or the decay of a run, start a new phase of it (--phase NAME)")
-    if "belongs to different data" in error.reason and plan.recorded_data is not None:
-        return k3_checkpoint.CheckpointError(
-            f"{error.reason}; the run was trained on {plan.recorded_data}, this session "
-            f"reads {plan.data_dir} (pass --data with the run's dataset, unchanged){phase}",
-            path=error.path)
-    if any(name in error.reason for name in PHASE_MAY_CHANGE):
-        return k3_checkpoint.CheckpointError(f"{error.reason}{phase}", path=error.path)
+    if _other_data(error) and plan.recorded_data is not None:
+        return error.with_hint(
+            f"the run was trained on {plan.recorded_data}, this session reads "
+            f"{plan.data_dir} (pass --data with the run's dataset, unchanged){phase}")
+    if phase and isinstance(error, k3_checkpoint.IncompatibleCheckpoint) and any(
+            path in PHASE_MAY_CHANGE for path in error.paths):
+        return error.with_hint(phase.removeprefix("; "))
     return error
+
+
+def _other_data(error: k3_checkpoint.CheckpointError) -> bool:
+    """Whether a loader refused its saved state as another dataset's or mixture's."""
+    return isinstance(error, k3_checkpoint.ComponentRefused) \
+        and isinstance(error.error, DataMismatch)
 
 
 def _with_older_hint(error: k3_checkpoint.CheckpointError,
@@ -228,8 +236,8 @@ def _with_older_hint(error: k3_checkpoint.CheckpointError,
     """``error`` of a ``--resume`` from the latest checkpoint, naming the newest older one
     and the command that continues from it: a damaged latest checkpoint need not end the
     run. A refusal of the configuration is left alone (an older checkpoint has the same)."""
-    if plan.command.resume_from is not None or error.reason.startswith("incompatible") \
-            or "belongs to different data" in error.reason:
+    if plan.command.resume_from is not None or _other_data(error) \
+            or isinstance(error, k3_checkpoint.IncompatibleCheckpoint):
         return error
     run_dir = plan.command.run_dir
     history = CheckpointHistory(run_dir / HISTORY)
@@ -239,14 +247,11 @@ def _with_older_hint(error: k3_checkpoint.CheckpointError,
             or latest.resolve() != Path(plan.resume_from).resolve():
         return error
     if not older:
-        return k3_checkpoint.CheckpointError(
-            f"{error.reason}; no older checkpoint is kept (--keep-last N keeps more)",
-            path=error.path)
+        return error.with_hint("no older checkpoint is kept (--keep-last N keeps more)")
     newest = older[-1]
-    return k3_checkpoint.CheckpointError(
-        f"{error.reason}; the newest older checkpoint is {newest.path} (step {newest.step}): "
-        f"continue from it with `k3-train train --run-dir {run_dir} --resume-from "
-        f"{newest.path}`", path=error.path)
+    return error.with_hint(
+        f"the newest older checkpoint is {newest.path} (step {newest.step}): continue from "
+        f"it with `k3-train train --run-dir {run_dir} --resume-from {newest.path}`")
 
 
 def _report_runtime_changes(log: MetricsLog, state: TrainState,

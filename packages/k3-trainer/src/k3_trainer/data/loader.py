@@ -32,6 +32,11 @@ class DataError(ValueError):
     """A dataset folder, manifest or shard is missing, malformed or modified."""
 
 
+class DataMismatch(DataError):
+    """A loader's saved state belongs to other data (another dataset or mixture): resuming
+    on it needs the run's own data, or a new phase that may change it."""
+
+
 class DataExhausted(Exception):
     """The split has no complete batch left at the cursor (loaders never wrap by themselves)."""
 
@@ -283,7 +288,7 @@ class TokenDataLoader:
             raise DataError(f"loader state belongs to split {state.get('split')!r}, this "
                             f"loader reads split {self.split!r}")
         if state.get("manifest_digest") != self.manifest_digest:
-            raise DataError(f"loader state belongs to different data (manifest digest "
+            raise DataMismatch(f"loader state belongs to different data (manifest digest "
                             f"{state.get('manifest_digest')!r}; this loader reads "
                             f"{self.path}, manifest digest {self.manifest_digest!r})")
         if isinstance(offset, bool) or not isinstance(offset, int) or not (

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .loader import DataError, TokenDataLoader
+from .loader import DataError, DataMismatch, TokenDataLoader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -253,14 +253,14 @@ class MixtureLoader:
                             f"loader reads split {self.split!r}")
         if state.get("kind") != "mixture":  # a single dataset's cursor
             if not self.adopt:
-                raise DataError("loader state belongs to different data (one dataset, not "
+                raise DataMismatch("loader state belongs to different data (one dataset, not "
                                 f"this mixture of {', '.join(self.sources)}); start a new "
                                 "phase to change the data")
             saved = {"": {**state, "epoch": 0, "rows": 0}}
             batches = 0
         else:
             if state.get("mixture") != self.identity and not self.adopt:
-                raise DataError(
+                raise DataMismatch(
                     "loader state belongs to different data (the mixture "
                     f"{_describe(state.get('mixture'))}; this session reads "
                     f"{_describe(self.identity)}); start a new phase to change the mixture")
