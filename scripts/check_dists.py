@@ -101,9 +101,10 @@ class Package:
         return list(self.tool.get("k3", {}).get("package-data", []))
 
     def allowed(self, name: str) -> bool:
-        """Whether ``<import>/<rel>`` may ship: a module, ``py.typed`` or declared data."""
+        """Whether ``<import>/<rel>`` may ship: a module or its stub, ``py.typed`` or
+        declared data."""
         rel = name.split("/", 1)[1] if "/" in name else name
-        return rel.endswith(".py") or rel == "py.typed" or any(
+        return rel.endswith((".py", ".pyi")) or rel == "py.typed" or any(
             fnmatch.fnmatchcase(rel, pattern) for pattern in self.package_data)
 
     def _tree(self) -> dict[str, bytes]:
