@@ -62,8 +62,8 @@ print(json.dumps({"main_kib": main, "largest_worker_kib": children}))
 
 
 def paragraphs() -> list[str]:
-    text, _ = builtin_corpus()
-    return [p for p in text.split("\n\n") if p.strip()]
+    documents, _ = builtin_corpus()
+    return [p for text in documents for p in text.split("\n\n") if p.strip()]
 
 
 def write_corpus(path: Path, target_bytes: int) -> int:
@@ -165,7 +165,7 @@ def main() -> None:
         results["cpu_efficiency_vs_library"] = {
             name: cpu_rate[name] / cpu_base for name in rate if name.startswith("pipeline")}
 
-        builtin_mb = len(builtin_corpus()[0].encode()) / 1e6
+        builtin_mb = sum(len(d.encode()) for d in builtin_corpus()[0]) / 1e6
         big = root / "big.jsonl"
         big_bytes = write_corpus(big, int(20 * builtin_mb * 1e6))
         rss = {"import only": peak_rss("import-only", root / "x", tokenizer, 1),

@@ -28,9 +28,9 @@ environment and a working directory outside the repository; what each step catch
    a module missing from its wheel, a missing ``py.typed``, and a broken optimizer.
    The same script run against a copy of the wheel that imports ``k3_qkclip`` must fail:
    the negative case, proved on every run.
-4. ``numpy``, ``tqdm``, ``tokenizers``, ``xxhash`` and ``safetensors`` from the usual
-   index, then ``pip
-   install --no-index --find-links DIST k3-trainer``: the four siblings must come from DIST
+4. ``numpy``, ``tqdm``, ``tokenizers``, ``xxhash``, ``safetensors`` and ``lazy_loader``
+   from the usual index, then ``pip install --no-index --find-links DIST k3-trainer``:
+   the four siblings must come from DIST
    at exactly the pinned version. Catches a pin that DIST cannot satisfy (a sibling not
    built, a pin on another version). A new third-party dependency also stops it here:
    install it with numpy and tqdm.
@@ -48,7 +48,7 @@ environment and a working directory outside the repository; what each step catch
 
 About 1–2 minutes on 2 CPU cores, most of it installing torch. Needs hatchling (the
 ``integration`` and dev environments have it) and the package index for torch, numpy,
-tqdm, tokenizers, xxhash and safetensors.
+tqdm, tokenizers, xxhash, safetensors and lazy_loader.
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def test_wheels_install_and_work_outside_the_workspace(dist: Path, tmp_path: Pat
 
     # 4. The trainer, its siblings offline from DIST at the pinned version.
     _run([python, "-m", "pip", "install", "--quiet", "numpy>=1.24", "tqdm>=4.60",
-          "tokenizers>=0.19", "xxhash>=3", "safetensors>=0.4"],
+          "tokenizers>=0.19", "xxhash>=3", "safetensors>=0.4", "lazy_loader>=0.4"],
          cwd=outside, env=env)
     install = _run([python, "-m", "pip", "install", "--no-index", "--find-links", dist,
                     "k3-trainer"], cwd=outside, env=offline).stdout
