@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from k3_trainer.cli.threads import THREADS_ENV, default_threads, usable_cores
+from k3_trainer.record import METRICS
 
 
 @contextlib.contextmanager
@@ -49,7 +50,7 @@ def tokens_per_s(threads: int | None, steps: int, root: Path) -> float:
          "--eval-interval", str(steps), "--checkpoint-interval", str(steps),
          "--eval-batches", "1"],
         env=env, check=True, capture_output=True, text=True)
-    events = [json.loads(line) for line in (run / "r" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (run / "r" / METRICS).read_text().splitlines()]
     rates = [e["tokens_per_s"] for e in events if e["event"] == "train" and e.get("tokens_per_s")]
     return statistics.median(rates)
 

@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 from .cli.build import open_model, parse_device
 from .config import ConfigError
 from .data import Codec, document_start
+from .record import RUN_RECORD
 from .tasks.scoring import encode_choice, score_pairs
 
 
@@ -51,15 +52,15 @@ def load_model(pretrained: str | Path, step: int | None, device: torch.device
                ) -> tuple[Any, Codec]:
     """The model and its tokenizer from a run directory or a hub folder."""
     path = Path(pretrained)
-    if (path / "run.json").is_file():
+    if (path / RUN_RECORD).is_file():
         opened = open_model(path, None, step, device)
     elif (path / "config.json").is_file():
         if step is not None:
             raise ConfigError("step picks a checkpoint of a run directory, not of a hub folder")
         opened = open_model(None, path, None, device)
     else:
-        raise ConfigError(f"{pretrained} is neither a k3-train run directory (run.json) nor a "
-                          "hub folder (config.json)")
+        raise ConfigError(f"{pretrained} is neither a k3-train run directory ({RUN_RECORD}) nor "
+                          "a hub folder (config.json)")
     return opened.model, opened.codec
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,6 +26,7 @@ from typing import Any, NoReturn
 # imported (a subcommand's module is imported once the arguments parse).
 from ..config import ConfigError, TrainConfig
 from ..models import DEFAULT_MODEL, ModelSpec, get_model_spec
+from ..record import RunRecord
 from ..torchrun import launched_by_torchrun, launched_rank
 from .flags import add_config_flags, add_option_flags, options_from, shown
 from .launch import prog_name, relaunch
@@ -98,11 +98,9 @@ def _model_of(argv: list[str]) -> str:
         return str(known.model)
     if known.resume and known.run_dir is not None:
         try:
-            recorded = json.loads((known.run_dir / "run.json").read_text()).get("model")
-        except (OSError, ValueError, AttributeError):
-            recorded = None  # resolving says what is wrong with the run directory
-        if isinstance(recorded, str):
-            return recorded
+            return RunRecord.read(known.run_dir, partial=True).model
+        except (OSError, ValueError):
+            pass  # resolving says what is wrong with the run directory
     return DEFAULT_MODEL
 
 

@@ -40,6 +40,7 @@ from ..data import (
 from ..distributed import Parallel
 from ..models import HubFolderError, ModelSpec, get_model_spec
 from ..optim import build_optimizer
+from ..record import RunRecord
 from ..state import TrainState
 from ..trainer import Trainer
 from .hub import check_tokenizer, folder_codec, load_folder
@@ -48,7 +49,6 @@ from .resolve import (
     RunError,
     model_config_from,
     read_record,
-    recorded_model,
     recorded_sources,
     train_config_from,
 )
@@ -190,11 +190,11 @@ def restore(run_dir: Path, data: Path | None, device: torch.device,
     so validation measures the same tokens as the run's logged one."""
     record = read_record(run_dir)
     found = checkpoint_at(run_dir, step)
-    spec = get_model_spec(recorded_model(record))
-    config = train_config_from(record["train_config"], {}, {})
+    spec = get_model_spec(record.model)
+    config = train_config_from(record.train_config, {}, {})
     world = _recorded_world_size(record)
-    model_config = model_config_from(spec, None, {}, record["model_config"])
-    data_dir = data or Path(record["data"]["dir"])
+    model_config = model_config_from(spec, None, {}, record.model_config)
+    data_dir = data or Path(record.data.dir)
     data_loaders = loaders(config.replace(batch_size=config.batch_size * world), model_config,
                            data_dir, None, () if data is not None else recorded_sources(record))
     seed_everything(config.seed)
@@ -262,13 +262,11 @@ def checkpoint_at(run_dir: Path, step: int | None) -> Path:
     return at
 
 
-def _recorded_world_size(record: dict[str, Any]) -> int:
+def _recorded_world_size(record: RunRecord) -> int:
     """The data-parallel world size of the run's last session (1 when it recorded none)."""
-    sessions = record.get("sessions")
-    last = sessions[-1] if isinstance(sessions, list) and sessions else {}
-    layout = last.get("data_parallel") if isinstance(last, dict) else None
-    size = layout.get("world_size") if isinstance(layout, dict) else 1
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+    last = record.last_session
+    layout = last.data_parallel if last is not None else None
+    return layout.world_size if layout is not None and layout.world_size is not None else 1
 
 
 def pretrained(folder: Path, data: Path | None, device: torch.device,

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from ..config import ConfigError
+from ..record import RUN_RECORD
 from .evaluate import write_json
 from .options import LmEvalCommand
 
@@ -23,10 +24,10 @@ def run(command: LmEvalCommand, notes: tuple[str, ...] = ()) -> int:
                           "'k3-trainer[lm-eval]' (lm-eval==0.4.13)") from None
     from ..lm_eval import K3LM
 
-    if not (command.model / "run.json").is_file() and \
+    if not (command.model / RUN_RECORD).is_file() and \
             not (command.model / "config.json").is_file():
         raise ConfigError(f"--model {command.model} is neither a k3-train run directory "
-                          "(run.json) nor a hub folder (config.json)")
+                          f"({RUN_RECORD}) nor a hub folder (config.json)")
     names = [name.strip() for name in command.tasks.split(",") if name.strip()]
     manager = TaskManager(include_path=None if command.include_path is None
                           else str(command.include_path))

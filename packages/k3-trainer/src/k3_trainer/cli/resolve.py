@@ -36,7 +36,7 @@ from ..models import DEFAULT_MODEL, HubFolderError, ModelSpec, get_model_spec
 from ..observe import read_events
 from ..observe.metrics import current
 from ..observe.report import REPORT_DIR
-from ..observe.run import read_run_record
+from ..record import METRICS, RUN_RECORD, RecordError, RunRecord
 from ..schedule import learning_rate_at_step
 from .options import TrainCommand
 
@@ -46,7 +46,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 VOCAB_MULTIPLE = 128
-METRICS = "metrics.jsonl"
 
 
 class RunError(Exception):
@@ -90,7 +89,7 @@ def train_config_from(base: dict[str, Any], toml: dict[str, Any],
 
 def _has_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists()
-               for name in (HISTORY, CHECKPOINT, SHARDED_CHECKPOINT, METRICS, "run.json"))
+               for name in (HISTORY, CHECKPOINT, SHARDED_CHECKPOINT, METRICS, RUN_RECORD))
 
 
 def _recorded_checkpoint_step(run_dir: Path) -> int | None:
@@ -126,21 +125,14 @@ def _kept(history: CheckpointHistory) -> str:
             else f"{history.root} holds no checkpoint")
 
 
-def read_record(run_dir: Path) -> dict[str, Any]:
+def read_record(run_dir: Path) -> RunRecord:
     """``run.json``, checked to hold what a resume or an evaluation reads from it."""
     try:
-        record = read_run_record(run_dir)
+        return RunRecord.read(run_dir)
     except FileNotFoundError as exc:
         raise RunError(str(exc)) from None
-    except ValueError as exc:  # unreadable JSON or not a run record
+    except RecordError as exc:  # unreadable JSON, not a run record, or lacking the configs
         raise RunError(f"{exc}; the run directory is damaged") from None
-    data = record.get("data")
-    if not (isinstance(record.get("train_config"), dict)
-            and isinstance(record.get("model_config"), dict)
-            and isinstance(data, dict) and isinstance(data.get("dir"), str)):
-        raise RunError(f"{run_dir / 'run.json'} lacks train_config, model_config or data.dir; "
-                       "the run directory is damaged")
-    return record
 
 
 def read_toml(path: Path | None) -> dict[str, Any]:
@@ -229,14 +221,9 @@ def data_of(values: list[str] | None, toml: dict[str, Any]) -> tuple[Path | None
     return None, ()
 
 
-def recorded_sources(record: dict[str, Any]) -> tuple[Source, ...]:
+def recorded_sources(record: RunRecord) -> tuple[Source, ...]:
     """The mixture a run's record names (none for a run on one dataset)."""
-    entries = record["data"].get("sources") or []
-    try:
-        return tuple(Source(str(e["name"]), Path(e["dir"]), float(e["weight"]))
-                     for e in entries)
-    except (TypeError, KeyError, ValueError):
-        raise RunError(f"run.json's data.sources is damaged: {entries!r}") from None
+    return tuple(Source(s.name, Path(s.dir), s.weight) for s in record.data.sources)
 
 
 @dataclass(frozen=True)
@@ -285,7 +272,7 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
     preset = command.preset or toml.get("preset")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--run-dir {run_dir} is a file, not a directory")
-    record: dict[str, Any] | None = None
+    record: RunRecord | None = None
     found = find_checkpoint(run_dir)
     resume = command.resume or command.resume_from is not None
     branch = False
@@ -340,10 +327,10 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
         data_dir = resolve_data(given_dir)
         said = _tokenizer_notes(init_from, data_dir)
     elif record is not None:
-        config = train_config_from(record["train_config"], toml, command.train_fields)
-        model_config = model_config_from(spec, preset, model_fields, record["model_config"])
+        config = train_config_from(record.train_config, toml, command.train_fields)
+        model_config = model_config_from(spec, preset, model_fields, record.model_config)
         if given_dir is None:
-            data_dir, sources = Path(record["data"]["dir"]), recorded_sources(record)
+            data_dir, sources = Path(record.data.dir), recorded_sources(record)
         else:
             data_dir = given_dir
             if resume and command.phase is None:
@@ -356,7 +343,7 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
             model_config, said = _vocab_for_data(model_config, data_dir)
     horizon_unset = record is None and "decay_steps" not in {**toml.get("train", {}),
                                                             **command.train_fields}
-    recorded_data = record["data"]["dir"] if record is not None else None
+    recorded_data = record.data.dir if record is not None else None
     phase, changes, new, before = None, {}, False, None
     if command.phase is not None and record is not None:
         phase = command.phase
@@ -366,12 +353,12 @@ def resolve(command: TrainCommand, notes: tuple[str, ...] = ()) -> Plan:
         changes = _phase_changes(record, config, data_dir, sources)
         started = None if changes else _started_at(record, phase)
         new = started is None
-        before = train_config_from(record["train_config"], {}, {}) if new else None
+        before = train_config_from(record.train_config, {}, {}) if new else None
         listed = ", ".join(name.removeprefix("train_config.") for name in changes) or "nothing"
         said = (*said, f"phase {phase} starts at the checkpoint's step: it changes {listed}"
                 if new else f"phase {phase} already started at step {started}; it continues")
     if preset is None and init_from is None:  # what the model was built from, on record
-        preset = record.get("preset") if record is not None else spec.default_preset
+        preset = record.preset if record is not None else spec.default_preset
     return Plan(command, spec, config, model_config, data_dir, found if resume else None,
                 horizon_unset, branch=branch, preset=preset, recorded_data=recorded_data,
                 notes=(*notes, *said), init_from=init_from, callbacks=_callbacks(command),
@@ -384,19 +371,18 @@ def _data_identity(data_dir: Path, sources: tuple[Source, ...]) -> list[str]:
             for path in ([s.path for s in sources] or [data_dir])]
 
 
-def _check_same_data(record: dict[str, Any], data_dir: Path,
+def _check_same_data(record: RunRecord, data_dir: Path,
                      sources: tuple[Source, ...]) -> None:
     """A resume's ``--data`` must be the run's own (checked first: any later refusal, a
     vocabulary that does not fit say, would blame something else)."""
-    data = record["data"]
-    recorded = [str(s.get("manifest_digest")) for s in data.get("sources") or []] or [
-        str(data.get("manifest_digest"))]
+    data = record.data
+    recorded = [str(s.manifest_digest) for s in data.sources] or [str(data.manifest_digest)]
     if _data_identity(data_dir, sources) != recorded:
         given = ", ".join(f"{s.name}={s.path}" for s in sources) or str(data_dir)
         raise ConfigError(
             f"--data {given} belongs to different data than the run: the run was trained on "
-            f"{data['dir']}, this session reads {given}; pass --data with the run's dataset, "
-            "unchanged, or leave it out (run.json names it); to change the data of a run, "
+            f"{data.dir}, this session reads {given}; pass --data with the run's dataset, "
+            f"unchanged, or leave it out ({RUN_RECORD} names it); to change the data of a run, "
             "start a new phase of it (--phase NAME)")
 
 
@@ -408,17 +394,17 @@ def describe_data(data_dir: Path, sources: tuple[Source, ...]) -> Any:
             for s in sources]
 
 
-def _phase_changes(record: dict[str, Any], config: TrainConfig, data_dir: Path,
+def _phase_changes(record: RunRecord, config: TrainConfig, data_dir: Path,
                    sources: tuple[Source, ...]) -> dict[str, Any]:
     """What a phase changes against the run's record: config fields and the data (not the
     fields any resume may change, such as max_steps)."""
-    before = train_config_from(record["train_config"], {}, {})
+    before = train_config_from(record.train_config, {}, {})
     changes: dict[str, Any] = {
         f"train_config.{name}": [getattr(before, name), getattr(config, name)]
         for name in (f.name for f in dataclasses.fields(TrainConfig))
         if getattr(before, name) != getattr(config, name)
         and f"train_config.{name}" not in TRAINER_POLICY.may_differ}
-    before_dir, before_sources = Path(record["data"]["dir"]), recorded_sources(record)
+    before_dir, before_sources = Path(record.data.dir), recorded_sources(record)
     if _weighted_identity(before_dir, before_sources) != _weighted_identity(data_dir, sources):
         changes["data"] = [describe_data(before_dir, before_sources),
                            describe_data(data_dir, sources)]
@@ -549,23 +535,16 @@ def _weighted_identity(data_dir: Path, sources: tuple[Source, ...]) -> list[tupl
     return list(zip(_data_identity(data_dir, sources), weights))
 
 
-def _started_at(record: dict[str, Any], phase: str) -> int | None:
+def _started_at(record: RunRecord, phase: str) -> int | None:
     """The step at which the run's latest phase started, when it is ``phase``."""
-    phases = record.get("phases") or []
-    last = phases[-1] if isinstance(phases, list) and phases else None
-    return last.get("step") if isinstance(last, dict) and last.get("name") == phase else None
+    last = record.phases[-1] if record.phases else None
+    return last.step if last is not None and last.name == phase else None
 
 
-def recorded_model(record: dict[str, Any]) -> str:
-    """The model a run's record names (runs from before model specs trained K3)."""
-    name = record.get("model", DEFAULT_MODEL)
-    return name if isinstance(name, str) else DEFAULT_MODEL
-
-
-def _model_spec(command: TrainCommand, record: dict[str, Any] | None) -> ModelSpec:
+def _model_spec(command: TrainCommand, record: RunRecord | None) -> ModelSpec:
     """``--model``'s spec, which must be the run's own when it continues one."""
     if record is not None:
-        recorded = recorded_model(record)
+        recorded = record.model
         if command.model is not None and command.model != recorded:
             raise ConfigError(f"--model {command.model}: {command.run_dir} trains the model "
                               f"{recorded!r}; drop --model or choose another --run-dir")
@@ -623,7 +602,7 @@ def _tokenizer_notes(folder: Path, data_dir: Path) -> tuple[str, ...]:
     return () if note is None else (note,)
 
 
-def _restart_record(run_dir: Path) -> dict[str, Any] | None:
+def _restart_record(run_dir: Path) -> RunRecord | None:
     """The configs a run that died before its first checkpoint was started with, or None
     when its run.json is missing or damaged (then the command line alone decides)."""
     try:

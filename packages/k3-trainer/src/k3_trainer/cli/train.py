@@ -23,14 +23,23 @@ from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
 from ..observe.metrics import mark_superseded
 from ..precision import validate_precision
+from ..record import (
+    METRICS,
+    Branch,
+    DataParallel,
+    Phase,
+    RecordedData,
+    RecordedSource,
+    RunRecord,
+    Session,
+)
 from ..schedule import horizon_notes
 from ..state import TrainState
 from ..tasks import DownstreamTasks, parse_tasks
 from ..trainer import Trainer
 from .build import build_trainer, max_seq_len_of, parse_device
 from .options import TrainCommand
-from .record import Session, write_run_record
-from .resolve import METRICS, Plan, RunError, phase_lr_warning, read_record, resolve
+from .resolve import Plan, RunError, phase_lr_warning, read_record, resolve
 from .threads import THREADS_ENV
 
 ABANDONED = ("k3-train: interrupted again: stopping now, the save in progress is abandoned; "
@@ -83,31 +92,31 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
         with StopOnSignal(trainer):
             trainer.fit()  # the same training, writing nothing but its share of checkpoints
         return 0
-    phase = ({"name": plan.phase, "step": trainer.state.step, "changes": plan.phase_changes}
-             if plan.phase_new else None)
-    branch = ({"from": str(resumed_from), "step": trainer.state.step}
-              if plan.branch and resumed_from is not None else None)
+    phase = (Phase(plan.phase, trainer.state.step, plan.phase_changes)
+             if plan.phase_new and plan.phase is not None else None)
+    branch: Branch | None = None
     try:  # the session's first writes: a run directory it cannot write is the user's to fix
         if plan.resume_from is None:
             (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
         else:  # steps past the checkpoint are trained again (or, on a branch, otherwise)
             superseded = mark_superseded(run_dir / METRICS, trainer.state.step)
-            if branch is not None:
-                branch["superseded_records"] = superseded
+            if plan.branch and resumed_from is not None:
+                branch = Branch(str(resumed_from), trainer.state.step, superseded)
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_run_record(run_dir, Session(
-            config.to_dict(), plan.spec.name, plan.spec.config_dict(plan.model_config),
-            preset=plan.preset,
-            data_dir=str(plan.data_dir.resolve()),
-            manifest_digest=manifest_digest(read_manifest(plan.data_dir)),
-            sources=_sources(plan),
-            phase=phase,
-            device=str(device),
-            resumed_from_step=trainer.state.step if plan.resume_from is not None else None,
-            resumed_from=None if resumed_from is None else str(resumed_from),
-            branch=branch,
-            data_parallel=parallel.describe() if parallel is not None else None,
-            init_from=None if plan.init_from is None else str(plan.init_from.resolve())))
+        RunRecord.extending(run_dir).with_session(
+            Session.now(
+                str(device),
+                resumed_from_step=(trainer.state.step if plan.resume_from is not None
+                                   else None),
+                resumed_from=None if resumed_from is None else str(resumed_from),
+                data_parallel=None if parallel is None else DataParallel.from_json(
+                    parallel.describe()),
+                init_from=None if plan.init_from is None else str(plan.init_from.resolve())),
+            train_config=config.to_dict(), model=plan.spec.name,
+            model_config=plan.spec.config_dict(plan.model_config), preset=plan.preset,
+            data=RecordedData(str(plan.data_dir.resolve()),
+                              manifest_digest(read_manifest(plan.data_dir)), _sources(plan)),
+            phase=phase, branch=branch).write(run_dir)
         metrics = MetricsLog(run_dir / METRICS)
     except PermissionError as error:
         raise RunError(f"--run-dir {run_dir} is not writable ({error.strerror}: "
@@ -120,8 +129,8 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
     for note in (*plan.notes,
                  *horizon_notes(config, horizon_unset=plan.horizon_unset)):
         print(f"k3-train: note: {note}", file=sys.stderr)
-    if phase is not None and plan.phase is not None and plan.phase_before is not None:
-        jump = phase_lr_warning(plan.phase, plan.phase_before, config, trainer.state.step)
+    if phase is not None and plan.phase_before is not None:
+        jump = phase_lr_warning(phase.name, plan.phase_before, config, trainer.state.step)
         if jump is not None:  # a warning, not a refusal: the phase starts all the same
             print(f"k3-train: warning: {jump}", file=sys.stderr)
     with metrics:
@@ -129,9 +138,9 @@ def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
         if runtime_changes:
             _report_runtime_changes(metrics, trainer.state, runtime_changes)
         if branch is not None:
-            metrics.write("branch", **branch)
+            metrics.write("branch", **branch.to_json())
         if phase is not None:
-            metrics.write("phase_start", **phase)
+            metrics.write("phase_start", **phase.to_json())
         with StopOnSignal(trainer, last_words=ABANDONED):
             trainer.fit()
         _summary(metrics, run_dir)
@@ -163,12 +172,10 @@ def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:
                                max_len=max_seq_len_of(plan.model_config, config))
 
 
-def _sources(plan: Plan) -> list[dict[str, Any]] | None:
-    """run.json's record of a mixture: each source's name, folder, weight and data digest."""
-    if not plan.sources:
-        return None
-    return [{"name": s.name, "dir": str(s.path.resolve()), "weight": s.weight,
-             "manifest_digest": manifest_digest(read_manifest(s.path))} for s in plan.sources]
+def _sources(plan: Plan) -> tuple[RecordedSource, ...]:
+    """The record of a mixture: each source's name, folder, weight and data digest."""
+    return tuple(RecordedSource(s.name, str(s.path.resolve()), s.weight,
+                                manifest_digest(read_manifest(s.path))) for s in plan.sources)
 
 
 def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
@@ -189,22 +196,19 @@ def _relaunch_advice(run_dir: Path, *, layout: bool) -> str:
     """``relaunch … or `` naming how the run's last session was launched, or ``""`` when
     its record does not say (or says nothing this session could change)."""
     try:
-        sessions = read_record(run_dir).get("sessions")
+        last = read_record(run_dir).last_session
     except RunError:
         return ""
-    last = sessions[-1] if isinstance(sessions, list) and sessions else {}
-    if not isinstance(last, dict):
-        return ""
     if layout:
-        recorded = last.get("data_parallel")
-        if not isinstance(recorded, dict):
+        recorded = last.data_parallel if last is not None else None
+        if recorded is None:
             return "relaunch in one process as the run was (no --parallel), or "
-        degree = recorded.get("expert_parallel")
-        experts = f" --expert-parallel {degree}" if isinstance(degree, int) else ""
-        return (f"relaunch as the run was launched (--parallel {recorded.get('mode')} "
-                f"--nproc {recorded.get('world_size')}{experts}), or ")
-    threads = (last.get("host") or {}).get("torch_threads")
-    if isinstance(threads, int) and threads != torch.get_num_threads():
+        degree = recorded.expert_parallel
+        experts = f" --expert-parallel {degree}" if degree is not None else ""
+        return (f"relaunch as the run was launched (--parallel {recorded.mode} "
+                f"--nproc {recorded.world_size}{experts}), or ")
+    threads = last.host.torch_threads if last is not None else None
+    if threads is not None and threads != torch.get_num_threads():
         return f"relaunch with {THREADS_ENV}={threads} as the run's last session ran, or "
     return ""
 

@@ -1,7 +1,8 @@
 """What the trainer itself measures and records: phase timers and the attempt clock, the
-per-window summary, MoE diagnostics, event records, the report's plots and the run's
-provenance record. The observers that write them out are callbacks
-(:mod:`k3_trainer.callbacks`), which sit above the trainer; nothing here imports them."""
+per-window summary, MoE diagnostics, event records and the report's plots (the run's
+provenance record is :mod:`k3_trainer.record`). The observers that write them out are
+callbacks (:mod:`k3_trainer.callbacks`), which sit above the trainer; nothing here imports
+them."""
 
 from .diagnostics import MoEDiagnostics
 from .metrics import Record, event_record, read_events

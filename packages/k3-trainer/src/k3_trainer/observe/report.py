@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError
+from ..record import METRICS, RunRecord
 from .metrics import current, read_events
-from .run import read_run_record
 
 REPORT_DIR = "report"
 
@@ -115,7 +115,7 @@ def write_report(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
     run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS
     if not metrics.is_file():
         raise ConfigError(f"{metrics} not found: {run_dir} is not a k3-train run directory")
     events = current(read_events(metrics))
@@ -308,21 +308,20 @@ def _file_name(task: str) -> str:
 def _configuration(run_dir: Path) -> str:
     """The run's model, data and recipe from run.json, as HTML tables (empty without it)."""
     try:
-        record = read_run_record(run_dir)
+        record = RunRecord.read(run_dir, partial=True)
     except (FileNotFoundError, ValueError):
         return ""
-    data: dict[str, Any] = record["data"] if isinstance(record.get("data"), dict) else {}
-    sources = data.get("sources") or []
-    summary = [("model", record.get("model", "k3")), ("preset", record.get("preset")),
-               *((f"data: {s.get('name')}", f"{s.get('dir')} (weight {s.get('weight')})")
-                 for s in sources if isinstance(s, dict)),
-               *([("data", data.get("dir"))] if not sources else []),
-               ("sessions", len(record.get("sessions") or []))]
+    sources = record.data.sources
+    summary = [("model", record.model), ("preset", record.preset),
+               *((f"data: {s.name}", f"{s.dir} (weight {s.weight})") for s in sources),
+               *([("data", record.data.dir)] if not sources else []),
+               ("sessions", len(record.sessions))]
     parts = ["<h2>Configuration</h2>", _table(summary)]
-    for key, title in (("train_config", "Training recipe"), ("model_config", "Model")):
-        if isinstance(record.get(key), dict):
+    for config, title in ((record.train_config, "Training recipe"),
+                          (record.model_config, "Model")):
+        if config:
             parts.append(f"<details open><summary>{title}</summary>"
-                         f"{_table(sorted(record[key].items()))}</details>")
+                         f"{_table(sorted(config.items()))}</details>")
     return "".join(parts)
 
 
@@ -336,10 +335,10 @@ def _qk_clip_threshold(run_dir: Path) -> tuple[str, float] | None:
     """``("QK-Clip τ = …", τ)`` from the run's record, when QK-Clip is on; None when the
     record is missing or says it is off."""
     try:
-        config = read_run_record(run_dir)["train_config"]
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        config = RunRecord.read(run_dir, partial=True).train_config
+    except (FileNotFoundError, ValueError):
         return None
-    tau = config.get("qk_clip_tau") if isinstance(config, dict) else None
+    tau = config.get("qk_clip_tau")
     if not config.get("qk_clip_enabled", True) or not isinstance(tau, int | float):
         return None
     return f"QK-Clip τ = {tau:g} (heads above it are rescaled)", float(tau)
