@@ -118,8 +118,10 @@ PRE_K3_TINY = K3Config(
 )
 
 
-def model_step(config: K3Config, batch: int, seq: int, optimizer: bool) -> Callable[[], None]:
-    """One training-mode forward+backward (and MuonAdamW step) on random tokens."""
+def model_step(config: K3Config, batch: int, seq: int, optimizer: bool,
+               document_ids: torch.Tensor | None = None) -> Callable[[], None]:
+    """One training-mode forward+backward (and MuonAdamW step) on random tokens (with
+    ``document_ids``, the packed documents kept apart)."""
     torch.manual_seed(0)
     model = K3Model(config).train()
     opt = MuonAdamW(model.parameter_groups(lr=1e-3, weight_decay=0.1)) if optimizer else None
@@ -127,7 +129,7 @@ def model_step(config: K3Config, batch: int, seq: int, optimizer: bool) -> Calla
                       generator=torch.Generator().manual_seed(1))
 
     def run() -> None:
-        _, loss = model(x[:, :-1], x[:, 1:])
+        _, loss = model(x[:, :-1], x[:, 1:], document_ids=document_ids)
         assert loss is not None
         loss.backward()
         if opt is not None:
@@ -344,27 +346,6 @@ def packed_ids(batch: int, seq: int, seed: int = 2) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def documents_step(config: K3Config, batch: int, seq: int, masked: bool,
-                   optimizer: bool) -> Callable[[], None]:
-    """:func:`model_step` with the documents of :func:`packed_ids` kept apart or not."""
-    torch.manual_seed(0)
-    model = K3Model(config).train()
-    opt = MuonAdamW(model.parameter_groups(lr=1e-3, weight_decay=0.1)) if optimizer else None
-    x = torch.randint(0, config.vocab_size, (batch, seq + 1),
-                      generator=torch.Generator().manual_seed(1))
-    ids = packed_ids(batch, seq) if masked else None
-
-    def run() -> None:
-        _, loss = model(x[:, :-1], x[:, 1:], document_ids=ids)
-        assert loss is not None
-        loss.backward()
-        if opt is not None:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-
-    return run
-
-
 def bench_documents(args: argparse.Namespace) -> dict[str, object]:
     cases = [("demo step", 4, 64, True)] if args.quick else \
         [("demo step", 16, 128, True), ("seq 1024", 1, 1024, False)]
@@ -372,8 +353,9 @@ def bench_documents(args: argparse.Namespace) -> dict[str, object]:
     rows, results = [], {}
     for label, batch, seq, optimizer in cases:
         config = preset("tiny", max_seq_len=max(seq, 128))
-        timings = interleaved({mode: documents_step(config, batch, seq, mode == "masked",
-                                                    optimizer)
+        ids = packed_ids(batch, seq)
+        timings = interleaved({mode: model_step(config, batch, seq, optimizer,
+                                                ids if mode == "masked" else None)
                                for mode in ("plain", "masked")}, repeats=rounds, warmup=1)
         ratios = [m / p for p, m in zip(timings["plain"].seconds, timings["masked"].seconds)]
         docs = float(packed_ids(batch, seq).amax(dim=1).float().mean() + 1)
