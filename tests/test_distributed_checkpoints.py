@@ -40,7 +40,8 @@ from k3_checkpoint import read_payload
 from k3_trainer import read_events
 from k3_trainer.checkpoint import find_checkpoint
 
-pytestmark = [distributed, needs_torchrun]
+# One pytest-xdist worker runs this module, so the continuous runs are computed once.
+pytestmark = [distributed, needs_torchrun, pytest.mark.xdist_group("distributed_checkpoints")]
 INTERVAL = 2  # checkpoints at steps 2, 4, 6
 
 

@@ -45,6 +45,10 @@ def _of(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["event"] == kind]
 
 
+# One pytest-xdist worker runs this module, so its one-process reference runs are built once.
+pytestmark = pytest.mark.xdist_group("distributed_compile")
+
+
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("config") / "small.toml"

@@ -75,6 +75,10 @@ def _train_events(result: dict) -> list[dict]:
     return [e for e in result["events"] if e["event"] == "train"]
 
 
+# One pytest-xdist worker runs this module, so its one-process reference runs are built once.
+pytestmark = pytest.mark.xdist_group("distributed_training")
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, data_dir):
     return _worker(tmp_path_factory.mktemp("one"), data_dir, "none")[0]

@@ -24,6 +24,10 @@ importlib.import_module("k3_trainer.lm_eval")  # registers "k3"
 DOCS = 12
 
 
+# One pytest-xdist worker runs this module, so its exported model and lm-eval set-up are built once.
+pytestmark = pytest.mark.xdist_group("lm_eval")
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, data_dir):
     """A short kimi-linear-tiny run, its export, and local tasks over bundled data.

@@ -87,6 +87,10 @@ PACKAGES = {p.name: p for p in check_dists.workspace_packages(ROOT)}
 VERSION = PACKAGES["k3-optim"].version
 
 
+# One pytest-xdist worker runs this module, so its wheels and sdists are built once.
+pytestmark = pytest.mark.xdist_group("packaging")
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if importlib.util.find_spec("hatchling") is None:

@@ -32,6 +32,10 @@ def _session(data_dir, *, compile: bool):
     return model, state, log
 
 
+# One pytest-xdist worker runs this module, so its compiled model is built once.
+pytestmark = pytest.mark.xdist_group("compile")
+
+
 @pytest.fixture(scope="module")
 def sessions(data_dir):
     torch._dynamo.reset()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +187,22 @@ def test_a_saved_schedule_is_restored_and_a_forged_one_refused(data_dir, small_d
         assert fresh.state_dict() == before
 
 
+def test_a_source_weight_is_optional_only_where_a_default_is_given():
+    assert Source.parse("web=d/web:0.7") == Source("web", Path("d/web"), 0.7)
+    assert Source.parse("web=d/web:0.7", 1.0) == Source("web", Path("d/web"), 0.7)
+    assert Source.parse("web=d/web", 1.0) == Source("web", Path("d/web"), 1.0)
+    # a colon followed by no number belongs to the folder's name
+    assert Source.parse("web=C:/web", 1.0) == Source("web", Path("C:/web"), 1.0)
+    for text, default, message in [
+        ("web=d/web", None, "NAME=DIR:WEIGHT"),
+        ("web=", 1.0, "NAME=DIR or NAME=DIR:WEIGHT"),
+        ("=d/web", 1.0, "NAME=DIR or NAME=DIR:WEIGHT"),
+        ("web=d/web:", 1.0, "weight '' is not a number"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            Source.parse(text, default)
+
+
 def test_every_source_must_share_one_tokenizer(data_dir, small_dir, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(small_dir, other)
@@ -194,7 +211,7 @@ def test_every_source_must_share_one_tokenizer(data_dir, small_dir, tmp_path):
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"'code' .* another tokenizer than 'web'"):
         MixtureLoader([Source("web", data_dir, 1), Source("code", other, 1)], "train", 2, 16)
-    for text, message in [("web", "NAME=PATH:WEIGHT"), ("web=d:x", "not a number")]:
+    for text, message in [("web", "NAME=DIR:WEIGHT"), ("web=d:x", "not a number")]:
         with pytest.raises(DataError, match=message):
             Source.parse(text)
     with pytest.raises(DataError, match="named twice"):

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..data import DataError, document_boundary, document_start
-from ..data.mixture import Source, check_sources
+from ..data import document_boundary, document_start
+from ..data.mixture import Source
 from ..evaluation import evaluate_split
 from ..tasks import DownstreamTasks, parse_tasks, summary
 from .build import open_model, parse_device, pretrained, restore
 from .options import EvalCommand
+from .resolve import command_line_data
 
 
 def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
@@ -71,41 +72,8 @@ def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:
 
 def eval_data(values: list[str] | None) -> tuple[Path | None, tuple[Source, ...]]:
     """``--data``: one dataset folder, or a mixture's ``NAME=DIR[:WEIGHT]`` sources (weight
-    default 1; ``DIR:WEIGHT`` splits at the last colon when what follows is a number);
-    ``(None, ())`` when none is given."""
-    if not values:
-        return None, ()
-    named = [value for value in values if "=" in value]
-    if not named and len(values) == 1:
-        return Path(values[0]), ()
-    if len(named) != len(values):
-        raise ConfigError("--data: give one dataset folder, or every source of a mixture as "
-                          "NAME=DIR[:WEIGHT]")
-    try:
-        sources = tuple(_source(value) for value in values)
-        check_sources(sources)
-    except DataError as exc:
-        raise ConfigError(str(exc)) from None
-    return sources[0].path, sources
-
-
-def _source(text: str) -> Source:
-    """``NAME=DIR:WEIGHT`` as ``train`` reads it, or ``NAME=DIR`` (weight 1)."""
-    name, _, rest = text.partition("=")
-    path, colon, weight = rest.rpartition(":")
-    weighted = bool(colon) and (not weight or _number(weight))  # else a colon inside DIR
-    if not name or not (path if weighted else rest):
-        raise DataError(f"--data {text!r}: a mixture source is NAME=DIR or NAME=DIR:WEIGHT "
-                        "(e.g. web=data/web:0.7)")
-    return Source.parse(text) if weighted else Source(name, Path(rest), 1.0)
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    default 1); ``(None, ())`` when none is given."""
+    return command_line_data(values, default_weight=1.0) if values else (None, ())
 
 
 def _tasks(command: EvalCommand, device: Any, data: Path | None) -> int:

@@ -199,18 +199,7 @@ def data_of(values: list[str] | None, toml: dict[str, Any]) -> tuple[Path | None
     """``--data``: one dataset folder, or a mixture's ``NAME=DIR:WEIGHT`` sources (else
     the config file's ``[data.sources]``); ``(None, ())`` when neither names any."""
     if values:
-        named = [value for value in values if "=" in value]
-        if not named and len(values) == 1:
-            return Path(values[0]), ()
-        if len(named) != len(values):
-            raise ConfigError("--data: give one dataset folder, or every source of a mixture "
-                              "as NAME=DIR:WEIGHT")
-        try:
-            sources = tuple(Source.parse(value) for value in values)
-            check_sources(sources)
-        except DataError as exc:
-            raise ConfigError(str(exc)) from None
-        return sources[0].path, sources
+        return command_line_data(values)
     sources = toml_sources(toml)
     if sources:
         try:
@@ -219,6 +208,25 @@ def data_of(values: list[str] | None, toml: dict[str, Any]) -> tuple[Path | None
             raise ConfigError(f"config file [data.sources]: {exc}") from None
         return sources[0].path, sources
     return None, ()
+
+
+def command_line_data(values: list[str], default_weight: float | None = None
+                      ) -> tuple[Path, tuple[Source, ...]]:
+    """Repeated ``--data``: one dataset folder (no sources), or every source of a mixture
+    as ``NAME=DIR:WEIGHT`` (``NAME=DIR`` too where a ``default_weight`` is given)."""
+    named = [value for value in values if "=" in value]
+    if not named and len(values) == 1:
+        return Path(values[0]), ()
+    if len(named) != len(values):
+        form = "NAME=DIR[:WEIGHT]" if default_weight is not None else "NAME=DIR:WEIGHT"
+        raise ConfigError(f"--data: give one dataset folder, or every source of a mixture "
+                          f"as {form}")
+    try:
+        sources = tuple(Source.parse(value, default_weight) for value in values)
+        check_sources(sources)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
+    return sources[0].path, sources
 
 
 def recorded_sources(record: RunRecord) -> tuple[Source, ...]:

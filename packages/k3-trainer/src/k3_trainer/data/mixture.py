@@ -44,18 +44,31 @@ class Source:
     weight: float
 
     @classmethod
-    def parse(cls, text: str) -> Source:
-        """``NAME=PATH:WEIGHT`` (``--data web=data/web:0.7``)."""
+    def parse(cls, text: str, default_weight: float | None = None) -> Source:
+        """``NAME=DIR:WEIGHT`` (``--data web=data/web:0.7``); given a ``default_weight``,
+        also ``NAME=DIR`` (a colon then belongs to DIR unless a number follows it)."""
         name, sep, rest = text.partition("=")
-        path, colon, weight = rest.rpartition(":")
-        if not sep or not colon or not name or not path:
-            raise DataError(f"--data {text!r}: a mixture source is NAME=PATH:WEIGHT "
+        path, _, weight = rest.rpartition(":")
+        optional = default_weight is not None
+        if optional and not (path and (not weight or _is_number(weight))):
+            path, weight = rest, str(default_weight)  # no weight given
+        if not sep or not name or not path:
+            form = "NAME=DIR or NAME=DIR:WEIGHT" if optional else "NAME=DIR:WEIGHT"
+            raise DataError(f"--data {text!r}: a mixture source is {form} "
                             "(e.g. web=data/web:0.7)")
         try:
             value = float(weight)
         except ValueError:
             raise DataError(f"--data {text!r}: weight {weight!r} is not a number") from None
         return cls(name, Path(path), value)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_sources(sources: Sequence[Source]) -> None:
