@@ -644,7 +644,8 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
         code_manifest = prepare_code(scratch, data, int(splits["train"]["bytes"]))
         code, code_corpus = str(scratch / "code"), _digest(code_manifest)
     setup = Setup(str(data), _digest(manifest), args.steps, args.batch_size, args.seq_len,
-                  eval_every=max(1, args.steps // 6), vocab_size=vocab, code=code,
+                  eval_every=max(1, args.steps // (2 if args.quick else 6)),  # quick: 2 evals
+                  vocab_size=vocab, code=code,
                   code_corpus=code_corpus, downstream=args.downstream,
                   downstream_limit=2 if args.quick else args.downstream_limit)
     epochs = args.steps * args.batch_size * args.seq_len / splits["train"]["tokens"]

@@ -75,7 +75,9 @@ def main() -> None:
     args = parser.parse_args()
     warmup = 3
     total = warmup + (args.steps or (5 if args.quick else 60))
-    config = TrainConfig(max_steps=total, log_interval=10 * total, eval_interval=10 * total,
+    batch, length = QUICK_SHAPE if args.quick else (16, 128)
+    config = TrainConfig(max_steps=total, batch_size=batch, seq_len=length,
+                         log_interval=10 * total, eval_interval=10 * total,
                          checkpoint_interval=10 * total)
     data = Path(tempfile.mkdtemp()) / "builtin"
     prepare_dataset([], data)
@@ -139,8 +141,8 @@ def main() -> None:
     diagnostics = bench_diagnostics(config, data, val, chunks=2 if args.quick else 6)
     presets = [name for name in args.stall_presets.split(",") if name]
     stall = bench_checkpoint_stall(presets, data, **(
-        {"repeats": 1, "checkpoints": 2, "interval": 4, "window": 2} if args.quick else
-        {"repeats": 3, "checkpoints": 3}))
+        {"repeats": 1, "checkpoints": 2, "interval": 4, "window": 2, "shape": QUICK_SHAPE}
+        if args.quick else {"repeats": 3, "checkpoints": 3}))
     write_json(args.json, {**{t.name: {"median_s": t.median, "seconds": t.seconds}
                               for t in timings.values()}, "diagnostics": diagnostics,
                            "checkpoint_stall": stall})
@@ -179,6 +181,7 @@ def bench_diagnostics(config: TrainConfig, data: Path, val: TokenDataLoader,
 
 STALL_TARGET = 0.15  # a background save's stall against a synchronous one's
 STALL_BATCH = {"tiny": (16, 128), "small": (4, 128)}  # small: CPU steps of a few seconds
+QUICK_SHAPE = (4, 32)  # --quick: the smoke run's batch × sequence, every path at a toy size
 
 
 class _Marks(Callback):
@@ -196,12 +199,12 @@ class _Marks(Callback):
 
 
 def _stall_run(name: str, data: Path, mode: str, interval: int, checkpoints: int,
-               device: torch.device) -> _Marks:
+               device: torch.device, shape: tuple[int, int]) -> _Marks:
     """One run with ``checkpoints`` saves ``interval`` steps apart and ``interval - 1`` steps
     after the last; ``mode``: none, sync, async (bf16 autocast on a GPU)."""
     from k3_trainer.checkpoint import CheckpointHistory
 
-    batch, length = STALL_BATCH.get(name, (16, 128))
+    batch, length = shape
     steps = interval * (checkpoints + 1) - 1
     config = TrainConfig(max_steps=steps, batch_size=batch, seq_len=length,
                          log_interval=10 * steps, eval_interval=10 * steps,
@@ -232,7 +235,8 @@ def _stalls(marks: _Marks, interval: int, checkpoints: int, window: int) -> list
 
 def bench_checkpoint_stall(presets: list[str], data: Path, repeats: int,
                            checkpoints: int, interval: int = 6, window: int = 3,
-                           device: torch.device | None = None) -> dict[str, dict]:
+                           device: torch.device | None = None,
+                           shape: tuple[int, int] | None = None) -> dict[str, dict]:
     """Per preset: the stall per checkpoint of synchronous and background saves, the
     control's, the blocked time, the write time and the snapshot's memory (see the module
     docstring)."""
@@ -246,7 +250,8 @@ def bench_checkpoint_stall(presets: list[str], data: Path, repeats: int,
         for _ in range(repeats):  # alternating, so drift hits every mode alike
             for mode in modes:
                 marks = _stall_run(name, data, mode, interval, checkpoints,
-                                   device or torch.device("cpu"))
+                                   device or torch.device("cpu"),
+                                   shape or STALL_BATCH.get(name, (16, 128)))
                 stalls[mode] += _stalls(marks, interval, checkpoints, window)
                 events[mode] += marks.saved[:checkpoints]
                 ends = [marks.ends[t] for t in sorted(marks.ends) if t >= 2]

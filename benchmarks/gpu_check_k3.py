@@ -528,15 +528,15 @@ def checkpoint(ctx: Context, out: dict[str, Any]) -> None:
     import tempfile
     from pathlib import Path
 
-    from bench_trainer import bench_checkpoint_stall
+    from bench_trainer import QUICK_SHAPE, bench_checkpoint_stall
     from k3_trainer import prepare_dataset
 
     data = Path(tempfile.mkdtemp()) / "builtin"
     prepare_dataset([], data)
     presets = ["tiny"] if ctx.smoke else ["tiny", "small"]
     results = bench_checkpoint_stall(presets, data, device=ctx.device, **(
-        {"repeats": 1, "checkpoints": 2, "interval": 4, "window": 2} if ctx.smoke else
-        {"repeats": 2, "checkpoints": 3}))
+        {"repeats": 1, "checkpoints": 2, "interval": 4, "window": 2, "shape": QUICK_SHAPE}
+        if ctx.smoke else {"repeats": 2, "checkpoints": 3}))
     for name, row in results.items():
         out[name] = {key: row[key] for key in ("step_s", "stall_s", "blocked_s", "write_s",
                                                "held_bytes", "ratio")}

@@ -364,19 +364,28 @@ def test_a_two_node_torchrun_launch_trains_the_same_run(continuous, config, tmp_
         port = probe.getsockname()[1]
     run_dir = tmp_path / "two-nodes"
     cli = [str(a) for a in _command("fsdp+ep", data_dir, config, run_dir, "--max-steps", STEPS)]
-    nodes = [subprocess.Popen(
-        [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "k3_trainer.cli", *cli],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-        start_new_session=True) for node in (0, 1)]
+    # Each agent writes to its own files, never to a pipe nobody reads while the test
+    # waits on the other agent (a full pipe would stall that node and, through the
+    # collectives, both).
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    nodes = []
+    for node, log in enumerate(logs):
+        with log.open("w") as out:
+            nodes.append(subprocess.Popen(
+                [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(node),
+                 "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "-m", "k3_trainer.cli", *cli],
+                stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(),
+                start_new_session=True))
     try:
-        outputs = [node.communicate(timeout=180) for node in nodes]
+        for node in nodes:
+            node.wait(timeout=180)
     finally:
         for node in nodes:
             if node.poll() is None:
                 kill_tree(node.pid)
-    for node, (_, err) in zip(nodes, outputs):
-        assert node.returncode == 0, err[-3000:]
+    for node, log in zip(nodes, logs):
+        assert node.returncode == 0, log.read_text()[-3000:]
     record = json.loads((run_dir / "run.json").read_text())
     assert record["sessions"][-1]["data_parallel"] == {"mode": "fsdp", "world_size": 2,
                                                         "expert_parallel": 2}
