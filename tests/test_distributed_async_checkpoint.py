@@ -27,13 +27,14 @@ from test_distributed_training import (
     _run,
     distributed,
     needs_torchrun,
+    one_launch_at_a_time,
 )
 
 from k3_checkpoint import read_payload
 from k3_trainer import read_events
 from k3_trainer.checkpoint import find_checkpoint
 
-pytestmark = [distributed, needs_torchrun]
+pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 INTERVAL = 2  # checkpoints at steps 2, 4, 6, 8, 10
 
 

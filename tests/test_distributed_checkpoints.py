@@ -34,14 +34,14 @@ from test_distributed_training import (
     _worker,
     distributed,
     needs_torchrun,
+    one_launch_at_a_time,
 )
 
 from k3_checkpoint import read_payload
 from k3_trainer import read_events
 from k3_trainer.checkpoint import find_checkpoint
 
-# One pytest-xdist worker runs this module, so the continuous runs are computed once.
-pytestmark = [distributed, needs_torchrun, pytest.mark.xdist_group("distributed_checkpoints")]
+pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 INTERVAL = 2  # checkpoints at steps 2, 4, 6
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from harness import NARROW_TINY_MODEL, toml_text, train_config
-from test_distributed_training import TORCHRUN, _run, needs_torchrun
+from test_distributed_training import TORCHRUN, _run, needs_torchrun, one_launch_at_a_time
 
 from k3_model import K3Model
 from k3_trainer.compiling import compiled_regions, prepare_model
@@ -45,8 +45,7 @@ def _of(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["event"] == kind]
 
 
-# One pytest-xdist worker runs this module, so its one-process reference runs are built once.
-pytestmark = pytest.mark.xdist_group("distributed_compile")
+pytestmark = one_launch_at_a_time
 
 
 @pytest.fixture(scope="module")

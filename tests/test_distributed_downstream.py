@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from harness import k3_train, toml_text
-from test_distributed_training import _run, needs_torchrun
+from test_distributed_training import _run, needs_torchrun, one_launch_at_a_time
+
+pytestmark = one_launch_at_a_time
 
 STEPS, LIMIT = 4, 6
 

@@ -29,6 +29,11 @@ distributed = pytest.mark.distributed
 needs_torchrun = pytest.mark.skipif(
     not (TORCHRUN.exists() and torch.distributed.is_available()),
     reason="torchrun / torch.distributed unavailable")
+# Every module that launches torchrun runs on one pytest-xdist worker, one test at a time:
+# each launch already keeps two processes busy, and two launches at once only fight over
+# the cores (and ports). Each module's expensive module-scoped set-up (continuous runs,
+# one-process references) is then computed once too.
+one_launch_at_a_time = pytest.mark.xdist_group("torchrun")
 
 
 def _run(command: list[object], timeout: float = 120,
@@ -75,8 +80,7 @@ def _train_events(result: dict) -> list[dict]:
     return [e for e in result["events"] if e["event"] == "train"]
 
 
-# One pytest-xdist worker runs this module, so its one-process reference runs are built once.
-pytestmark = pytest.mark.xdist_group("distributed_training")
+pytestmark = one_launch_at_a_time
 
 
 @pytest.fixture(scope="module")

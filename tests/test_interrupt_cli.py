@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from harness import assert_bitwise_equal, k3_train, latest_checkpoint, subprocess_env
-from test_distributed_training import distributed, needs_torchrun
+from test_distributed_training import distributed, needs_torchrun, one_launch_at_a_time
 
 from k3_checkpoint import read_payload
 from k3_trainer import read_events
 from k3_trainer.cli import main
+
+# Its torchrun launches run with every other module's, one at a time.
+pytestmark = one_launch_at_a_time
 
 STEPS = 24
 

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import json
 
-from test_distributed_training import TESTS, TORCHRUN, _run, distributed, needs_torchrun
+from test_distributed_training import (
+    TESTS,
+    TORCHRUN,
+    _run,
+    distributed,
+    needs_torchrun,
+    one_launch_at_a_time,
+)
 
-pytestmark = [distributed, needs_torchrun]
+pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 
 
 def test_every_component_goes_through_dcp_on_two_ranks(tmp_path):
