@@ -49,9 +49,9 @@ from .resolve import (
     RunError,
     model_config_from,
     read_record,
-    recorded_sources,
     train_config_from,
 )
+from .sources import recorded_sources
 
 
 def parse_device(name: str) -> torch.device:

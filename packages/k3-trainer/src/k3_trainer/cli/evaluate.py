@@ -16,7 +16,7 @@ from ..evaluation import evaluate_split
 from ..tasks import DownstreamTasks, parse_tasks, summary
 from .build import open_model, parse_device, pretrained, restore
 from .options import EvalCommand
-from .resolve import command_line_data
+from .sources import command_line_data
 
 
 def run(command: EvalCommand, notes: tuple[str, ...] = ()) -> int:

@@ -28,9 +28,9 @@ from ..checkpoint import (
     find_checkpoint,
 )
 from ..config import ConfigError, TrainConfig
-from ..data import DataError, read_manifest
+from ..data import read_manifest
 from ..data.loader import MANIFEST_FORMAT, manifest_digest
-from ..data.mixture import Source, check_sources
+from ..data.mixture import Source
 from ..data.prepare import prepare_dataset
 from ..models import DEFAULT_MODEL, HubFolderError, ModelSpec, get_model_spec
 from ..observe import read_events
@@ -39,6 +39,7 @@ from ..observe.report import REPORT_DIR
 from ..record import METRICS, RUN_RECORD, RecordError, RunRecord
 from ..schedule import learning_rate_at_step
 from .options import TrainCommand
+from .sources import data_of, recorded_sources
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -178,60 +179,6 @@ def check_toml_fields(toml: dict[str, Any], spec: ModelSpec, path: Path | None) 
             if key not in names:
                 raise ConfigError(f"config file {path}: [{table}] has no field "
                                   f"{_suggest(key, names)}")
-
-
-def toml_sources(toml: dict[str, Any]) -> tuple[Source, ...]:
-    """``[data.sources]``: ``web = { path = "data/web", weight = 0.7 }`` per source."""
-    sources = []
-    for name, entry in toml.get("data", {}).get("sources", {}).items():
-        if not (isinstance(entry, dict) and set(entry) == {"path", "weight"}
-                and isinstance(entry["path"], str)
-                and isinstance(entry["weight"], int | float)
-                and not isinstance(entry["weight"], bool)):
-            raise ConfigError(f"config file [data.sources] {name}: expected "
-                              "{ path = \"DIR\", weight = W }, got " + repr(entry))
-        sources.append(Source(str(name), Path(entry["path"]), float(entry["weight"])))
-    return tuple(sources)
-
-
-def data_of(values: list[str] | None, toml: dict[str, Any]) -> tuple[Path | None,
-                                                                      tuple[Source, ...]]:
-    """``--data``: one dataset folder, or a mixture's ``NAME=DIR:WEIGHT`` sources (else
-    the config file's ``[data.sources]``); ``(None, ())`` when neither names any."""
-    if values:
-        return command_line_data(values)
-    sources = toml_sources(toml)
-    if sources:
-        try:
-            check_sources(sources)
-        except DataError as exc:
-            raise ConfigError(f"config file [data.sources]: {exc}") from None
-        return sources[0].path, sources
-    return None, ()
-
-
-def command_line_data(values: list[str], default_weight: float | None = None
-                      ) -> tuple[Path, tuple[Source, ...]]:
-    """Repeated ``--data``: one dataset folder (no sources), or every source of a mixture
-    as ``NAME=DIR:WEIGHT`` (``NAME=DIR`` too where a ``default_weight`` is given)."""
-    named = [value for value in values if "=" in value]
-    if not named and len(values) == 1:
-        return Path(values[0]), ()
-    if len(named) != len(values):
-        form = "NAME=DIR[:WEIGHT]" if default_weight is not None else "NAME=DIR:WEIGHT"
-        raise ConfigError(f"--data: give one dataset folder, or every source of a mixture "
-                          f"as {form}")
-    try:
-        sources = tuple(Source.parse(value, default_weight) for value in values)
-        check_sources(sources)
-    except DataError as exc:
-        raise ConfigError(str(exc)) from None
-    return sources[0].path, sources
-
-
-def recorded_sources(record: RunRecord) -> tuple[Source, ...]:
-    """The mixture a run's record names (none for a run on one dataset)."""
-    return tuple(Source(s.name, Path(s.dir), s.weight) for s in record.data.sources)
 
 
 @dataclass(frozen=True)
