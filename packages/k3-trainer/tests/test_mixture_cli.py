@@ -178,7 +178,7 @@ def test_hints_follow_the_kind_of_refusal_not_its_wording(
         data_dir, small_dir, tmp_path, capsys, monkeypatch):  # noqa: F811
     """The train command picks its hints by the exception's type and fields: reworded
     refusals keep them."""
-    import k3_checkpoint.policy as policy_module
+    import k3_checkpoint.compatibility as policy_module
     from k3_trainer.data.loader import DataMismatch
     from k3_trainer.data.mixture import MixtureLoader
 

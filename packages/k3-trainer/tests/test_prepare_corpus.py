@@ -271,7 +271,7 @@ def test_shards_are_the_same_bytes_for_1_and_4_workers(jsonl_corpus, tmp_path, m
 
 
 def test_a_long_text_file_is_read_in_pieces_as_one_document(tmp_path, monkeypatch):
-    monkeypatch.setattr("k3_trainer.data.sources.PIECE_BYTES", 64)
+    monkeypatch.setattr("k3_trainer.data.readers.PIECE_BYTES", 64)
     text = "".join(f"line {i} of a long file\n" for i in range(200))
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "blank.txt").write_text("\n\n  \n" * 40)

@@ -8,6 +8,7 @@ live run before changing anything.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .compatibility import Changes, CompatibilityPolicy
 from .components import Components, Stateful
 from .errors import CheckpointError, ComponentRefused, IncompatibleCheckpoint
 from .integrity import file_checksum
@@ -15,7 +16,6 @@ from .layout import optimizer_identity, optimizer_layout
 from .load import LoadedCheckpoint, load_checkpoint
 from .payload import FORMAT_VERSION, HISTORICAL_FORMATS, fsync_directory, read_payload
 from .plain import MISSING, to_plain
-from .policy import Changes, CompatibilityPolicy
 from .rng import ValidRng, capture_rng, restore_rng, validate_rng_state
 from .runtime import runtime_signature
 from .save import save_checkpoint

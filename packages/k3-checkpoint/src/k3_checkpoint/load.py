@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from .compatibility import Changes, CompatibilityPolicy
 from .components import Components, Tree
 from .errors import CheckpointError
 from .payload import read_verified
 from .plain import to_plain
-from .policy import Changes, CompatibilityPolicy
 from .rng import cuda_device_count, validate_rng_state
 from .runtime import runtime_signature
 from .save import RESERVED, check_names

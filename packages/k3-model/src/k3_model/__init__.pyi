@@ -2,11 +2,11 @@
 (``lazy_loader.attach_stub`` reads it at import; type checkers read it instead of
 ``__init__.py``)."""
 
+from .activation_checkpointing import CHECKPOINT_MODES
 from .attention import GQAttention, MLAttention
 from .attn_res import ResidualRead
 from .balancer import QuantileBalancer, expert_counts, quantile_bias
 from .cache import DecodeCache
-from .checkpointing import CHECKPOINT_MODES
 from .config import K3Config
 from .flops import ParameterCount, count_parameters, flops_per_token, kda_flops_per_token
 from .hub import load_pretrained, save_pretrained

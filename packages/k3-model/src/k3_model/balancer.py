@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .checkpointing import record_choice, replay_choice, tape_mode
+from .activation_checkpointing import record_choice, replay_choice, tape_mode
 
 
 def expert_counts(flat: Tensor, n_experts: int) -> Tensor:
@@ -95,7 +95,7 @@ class QuantileBalancer(nn.Module):
         In training mode this also updates the buffers (after selecting: the new bias
         serves the next forward). Inside an activation-checkpointed block the choice is
         recorded, and its recomputation replays it without updating again
-        (:mod:`k3_model.checkpointing`).
+        (:mod:`k3_model.activation_checkpointing`).
         """
         mode = tape_mode()
         if mode == "replay":

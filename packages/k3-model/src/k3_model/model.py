@@ -9,7 +9,7 @@ names (KDA, Gated MLA or GQA) and has a dense GLU MLP (the first ``n_dense_layer
 a MoE. The residual stream is plain pre-norm, or block Attention Residuals
 (:mod:`k3_model.attn_res`) when ``attn_res_block_size > 0``. Either way one
 :class:`Block` call is one layer, the unit that activation checkpointing recomputes
-(:meth:`K3Model.set_activation_checkpointing`, :mod:`k3_model.checkpointing`).
+(:meth:`K3Model.set_activation_checkpointing`, :mod:`k3_model.activation_checkpointing`).
 
 The optimizer routing is declared, not guessed: :meth:`K3Model.parameter_groups`
 (see :mod:`k3_model.routing`).
@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .activation_checkpointing import CheckpointMode, check_mode, checkpointed
 from .attention import GQAttention, MLAttention, build_attention
 from .attn_res import ResidualRead, inverse_rms
 from .balancer import QuantileBalancer
 from .cache import DecodeCache, Decoding
-from .checkpointing import CheckpointMode, check_mode, checkpointed
 from .config import K3Config
 from .documents import Documents
 from .flops import flops_per_token
@@ -345,7 +345,7 @@ class K3Model(nn.Module):
     def set_activation_checkpointing(self, mode: str) -> None:
         """``"block"``: recompute each decoder layer's activations in the backward instead
         of keeping them (exactly: bitwise the same losses, gradients and balancer state,
-        see :mod:`k3_model.checkpointing`); ``"none"``: keep them. A runtime setting, not
+        see :mod:`k3_model.activation_checkpointing`); ``"none"``: keep them. A runtime setting, not
         part of the state dict or the config, so it may change between resumes."""
         self._checkpointing = check_mode(mode)
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .activation_checkpointing import recomputing
 from .balancer import QuantileBalancer, expert_counts
-from .checkpointing import recomputing
 from .config import K3Config
 from .mlp import GatedMLP, glu
 from .norm import RMSNorm

@@ -3,9 +3,9 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from .clip import OBSERVER_ATTR, SPEC_METHOD, QKClip
+from .clip_report import QKClipModuleReport, QKClipReport
 from .observe import QKObserver, head_max_logits, observed_attention
 from .policy import GQA_MODES, QKClipPolicy
-from .report import QKClipModuleReport, QKClipReport
 from .spec import QKSpec, RowBlock, RowLayout, Segment
 
 try:

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .clip_report import QKClipModuleReport, QKClipReport
 from .observe import QKObserver
 from .plan import ModulePlan
 from .policy import QKClipPolicy
-from .report import QKClipModuleReport, QKClipReport
 from .spec import QKSpec
 
 SPEC_METHOD = "qk_clip_spec"

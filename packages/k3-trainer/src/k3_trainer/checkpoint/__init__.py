@@ -2,8 +2,15 @@
 gate, the rollback every rank agrees on), saves written in the background, a run's
 history of checkpoints, and the policy a resume is judged by."""
 
-from .background import BackgroundWriter, Written
 from .checkpointer import Checkpointer, Resumed
+from .compatibility import (
+    PORTABLE_RUNTIME,
+    READ_ONLY,
+    TRAINER_POLICY,
+    qk_clip_policy,
+    relaxed,
+    run_metadata,
+)
 from .files import (
     CHECKPOINT,
     SHARDED_CHECKPOINT,
@@ -15,14 +22,7 @@ from .files import (
     run_history,
 )
 from .history import HISTORY, LATEST, CheckpointHistory
-from .policy import (
-    PORTABLE_RUNTIME,
-    READ_ONLY,
-    TRAINER_POLICY,
-    qk_clip_policy,
-    relaxed,
-    run_metadata,
-)
+from .writer_thread import BackgroundWriter, Written
 
 __all__ = [
     "CHECKPOINT",

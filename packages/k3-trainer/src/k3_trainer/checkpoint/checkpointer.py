@@ -29,11 +29,11 @@ import k3_checkpoint
 from ..distributed import Parallel
 from . import sharded as shards
 from .agreement import Snapshot, load_on_every_rank, raise_on_every_rank
-from .background import Work
+from .compatibility import TRAINER_POLICY, phase_policy, relaxed, runtime_changes
 from .components import MODEL
 from .files import CheckpointStore, CheckpointWriteError, FixedPath, checkpoint_file
 from .history import META, CheckpointHistory
-from .policy import TRAINER_POLICY, phase_policy, relaxed, runtime_changes
+from .writer_thread import Work
 
 _T = TypeVar("_T")
 
@@ -182,7 +182,7 @@ class Checkpointer:
         torch version, CUDA version, device or thread count and another data-parallel
         layout, and reports what changed. A sharded checkpoint loads into any layout, one
         process included; a single file loads under one process and DDP. ``new_phase``
-        accepts a changed decay (:data:`~k3_trainer.checkpoint.policy.PHASE_MAY_CHANGE`).
+        accepts a changed decay (:data:`~k3_trainer.checkpoint.compatibility.PHASE_MAY_CHANGE`).
         """
         path = resolve_checkpoint(Path(path))
         policy = relaxed(self.policy) if allow_runtime_change else self.policy

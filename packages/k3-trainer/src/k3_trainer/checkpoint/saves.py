@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed import Parallel
-from .background import BackgroundWriter, Written
 from .checkpointer import Checkpointer
 from .files import CheckpointStore, CheckpointWriteError
+from .writer_thread import BackgroundWriter, Written
 
 WRITE_FAILED = signal.NSIG
 """The stop code every rank agrees on, as on a signal, when a background checkpoint write

@@ -297,7 +297,7 @@ COMMANDS: dict[str, Subcommand] = {
     "export": Subcommand(ExportCommand, "write a run's model as a Hugging Face hub folder "
                          "(transformers, vLLM, SGLang)", "export"),
     "inspect": Subcommand(InspectCommand, "summarize a checkpoint without loading it",
-                          "inspect"),
+                          "describe"),
     "report": Subcommand(ReportCommand, "plot a run's metrics into RUN_DIR/report/",
                          "report"),
     "lm-eval": Subcommand(LmEvalCommand, "score a run or a hub folder with "

@@ -15,7 +15,7 @@ import k3_checkpoint
 from ..callbacks import MetricsLog, Report
 from ..callbacks.downstream import DownstreamEvaluator
 from ..checkpoint import HISTORY, CheckpointHistory, run_history
-from ..checkpoint.policy import PHASE_MAY_CHANGE
+from ..checkpoint.compatibility import PHASE_MAY_CHANGE
 from ..config import ConfigError
 from ..data import document_start, load_codec
 from ..data.loader import DataMismatch, manifest_digest, read_manifest

@@ -48,13 +48,7 @@ import numpy as np
 
 from .loader import MANIFEST, MANIFEST_FORMAT, DataError, file_sha256, token_dtype
 from .options import BUCKET_BYTES, PrepareOptions
-from .shards import (
-    DocumentShuffle,
-    SplitWriter,
-    move_tail,
-    write_table,
-)
-from .sources import (
+from .readers import (
     INVALID,
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
@@ -66,6 +60,12 @@ from .sources import (
     invalid_record,
     read_pieces,
     resolve,
+)
+from .shards import (
+    DocumentShuffle,
+    SplitWriter,
+    move_tail,
+    write_table,
 )
 from .tokenizer import TOKENIZER_FILE, BytesCodec, Codec, HFCodec, codec_from_spec, train_bpe
 

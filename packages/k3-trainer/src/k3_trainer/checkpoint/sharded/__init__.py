@@ -22,15 +22,15 @@ The modules, one concept each: :mod:`.folder` (what the folder holds on disk: ``
 beside DCP's files, each file's size and checksum), :mod:`.write` (a write on the calling
 thread), :mod:`.background` (a write off the training path), :mod:`.read` (a load),
 :mod:`.check` (the index and what a load checks before it changes anything),
-:mod:`.inspect` (``k3-train inspect``), :mod:`.dcp` (the DCP plumbing they share) and
+:mod:`.summary` (``k3-train inspect``), :mod:`.dcp` (the DCP plumbing they share) and
 :mod:`.tree` (the nested states and their skeletons).
 """
 
-from .background import ShardedWrite, start_sharded_write
+from .async_save import ShardedWrite, start_sharded_write
 from .check import ShardIndex, check_tensor_table
 from .folder import META, is_sharded
-from .inspect import describe_sharded
 from .read import read_sharded
+from .summary import describe_sharded
 from .write import reshard, write_sharded
 
 __all__ = [
