@@ -118,3 +118,37 @@ def test_the_checker_sees_a_cycle_through_a_type_checking_import(tmp_path):
     assert cycles(import_graph(package)) == [["pkg.a", "pkg.b"]]
     (package / "b.py").write_text("B = 1\n")
     assert cycles(import_graph(package)) == []
+
+
+def private_imports(src: Path) -> list[str]:
+    """``module: name`` for every underscore name a module imports from another module of
+    its own package: modules meet through names meant to be imported, never another's
+    private helpers (dunder names such as ``__version__`` are public)."""
+    found = []
+    for name, path in sorted(_modules(src).items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (
+                    node.level > 0 or (node.module or "").split(".")[0] == src.name):
+                found += [f"{name}: {alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_its_package():
+    for src in sorted((ROOT / "packages").glob("*/src/*")):
+        if src.is_dir():
+            assert private_imports(src) == [], src.name
+
+
+def test_the_private_import_check_sees_relative_and_absolute_imports(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("__version__ = '1'\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("def _helper(): ...\ndef helper(): ...\n")
+    (package / "sub" / "b.py").write_text("from ..a import helper\nfrom pkg import __version__\n")
+    assert private_imports(package) == []
+    (package / "sub" / "b.py").write_text("def f():\n    from ..a import _helper\n")
+    assert private_imports(package) == ["pkg.sub.b: _helper"]
+    (package / "sub" / "b.py").write_text("from pkg.a import _helper\n")
+    assert private_imports(package) == ["pkg.sub.b: _helper"]

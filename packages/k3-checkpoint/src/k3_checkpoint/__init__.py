@@ -20,7 +20,7 @@ from .rng import ValidRng, capture_rng, restore_rng, validate_rng_state
 from .runtime import runtime_signature
 from .save import save_checkpoint
 from .snapshot import CheckpointSnapshot, snapshot_checkpoint
-from .summary import CheckpointSummary, inspect_checkpoint
+from .summary import CheckpointSummary, format_bytes, format_value, inspect_checkpoint
 
 try:
     __version__ = version("k3-checkpoint")
@@ -45,6 +45,8 @@ __all__ = [
     "__version__",
     "capture_rng",
     "file_checksum",
+    "format_bytes",
+    "format_value",
     "fsync_directory",
     "inspect_checkpoint",
     "load_checkpoint",

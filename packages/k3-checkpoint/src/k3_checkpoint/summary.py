@@ -13,7 +13,7 @@ import torch
 from .payload import read_verified
 from .plain import tensors_in
 
-__all__ = ["CheckpointSummary", "inspect_checkpoint"]
+__all__ = ["CheckpointSummary", "format_bytes", "format_value", "inspect_checkpoint"]
 
 _SHOWN = 160  # characters of a value shown on a summary line
 
@@ -35,13 +35,13 @@ class CheckpointSummary:
         """Human-readable summary, one payload key per line (what a CLI's ``inspect`` prints)."""
         lines = [
             f"checkpoint     {self.path} (format {self.format_version}, "
-            f"{_size(self.file_bytes)}, checksum {self.digest[:16]}…)"
+            f"{format_bytes(self.file_bytes)}, checksum {self.digest[:16]}…)"
         ]
         for key, value in self.entries.items():
             if key in ("format_version", "rng"):
                 continue
             size = self.tensor_bytes.get(key, 0)
-            text = f"{_size(size)} of tensors" if size else _flat(value)
+            text = f"{format_bytes(size)} of tensors" if size else format_value(value)
             lines.append(f"{key:<14} {text}")
         return lines
 
@@ -73,8 +73,9 @@ def _described(value: Any) -> Any:
     return value
 
 
-def _flat(value: Any) -> str:
-    """``a=1, b=2`` for a mapping of scalars (counters), else the value's repr, shortened."""
+def format_value(value: Any) -> str:
+    """``a=1, b=2`` for a mapping of scalars (counters), else the value's repr, shortened
+    to a summary line's width (what :meth:`CheckpointSummary.lines` shows of a value)."""
     if isinstance(value, Mapping) and all(
         not isinstance(item, (Mapping, list)) for item in value.values()
     ):
@@ -84,7 +85,8 @@ def _flat(value: Any) -> str:
     return text if len(text) <= _SHOWN else text[: _SHOWN - 1] + "…"
 
 
-def _size(size: int) -> str:
+def format_bytes(size: int) -> str:
+    """``size`` bytes in the largest binary unit that keeps it ≥ 1 (``1.5 MiB``, ``12 B``)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
             return f"{size / scale:.1f} {unit}"

@@ -22,9 +22,9 @@ import k3_checkpoint
 
 from ...distributed import Parallel
 from .check import ShardIndex
-from .dcp import _is_main, _no_dist
+from .dcp import is_main, no_dist
 from .folder import META
-from .write import _agree, _os_error, _prepare, _seal
+from .write import agree, as_os_error, prepare, seal
 
 
 class ShardedWrite:
@@ -66,9 +66,9 @@ def start_sharded_write(folder: Path, states: Mapping[str, Any], metadata: Mappi
     group = _BACKGROUND.side_group(parallel)
     staged, snapshot, failure = None, None, None
     try:
-        prepared = _prepare(states)
+        prepared = prepare(states)
         staged = _stage(prepared.state)
-        if _is_main(parallel):
+        if is_main(parallel):
             snapshot = k3_checkpoint.snapshot_checkpoint(
                 {"shards": ShardIndex(folder, {**prepared.record, "files": None})},
                 metadata, modules=[prepared.model])
@@ -76,11 +76,11 @@ def start_sharded_write(folder: Path, states: Mapping[str, Any], metadata: Mappi
         failure = error
     except (RuntimeError, k3_checkpoint.CheckpointError) as error:  # out of memory, a .grad
         failure = OSError(0, f"cannot take the checkpoint's snapshot ({error})")
-    _agree(parallel, failure)
+    agree(parallel, failure)
     assert staged is not None
     upload = async_save(staged, storage_writer=FileSystemWriter(folder, sync_files=True),
                         process_group=group, async_stager=_AlreadyStaged(),
-                        no_dist=_no_dist(parallel))
+                        no_dist=no_dist(parallel))
     written = upload.upload_completion if isinstance(upload, AsyncSaveResponse) else upload
     write_meta = None if snapshot is None else _MetaWriter(folder, snapshot).write
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-sharded-write")
@@ -148,9 +148,9 @@ def _finish(written: Future[Any], folder: Path, write_meta: Callable[[dict[str, 
     try:
         written.result()
     except (Exception, CheckpointException) as error:  # DCP reports it on every rank
-        raise _os_error(error, folder) from error
+        raise as_os_error(error, folder) from error
     try:
-        return _seal(folder, write_meta, parallel, group)
+        return seal(folder, write_meta, parallel, group)
     except OSError:
         raise
     except Exception as error:  # reported as the write's failure, never dropped

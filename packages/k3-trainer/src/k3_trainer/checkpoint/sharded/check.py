@@ -20,13 +20,13 @@ from torch import nn
 import k3_checkpoint
 
 from ...distributed import Parallel
-from .folder import META, _file_entry
-from .tree import _dotted, _fqns, _tensor_paths
+from .folder import META, file_entry
+from .tree import dotted, saved_fqns, tensor_paths
 
 _SHOWN = 5  # names listed in a message before "…"
 
 
-def _live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
+def live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
                   ) -> dict[str, Any]:
     """What the checkpoint's tensors must match: every model state entry's global shape and
     dtype, and every optimized parameter's name and global shape (read without touching the
@@ -40,7 +40,7 @@ def _live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None
 
 
 @dataclass(frozen=True)
-class _Expected:
+class Expected:
     """What the live run needs of a folder's index, checked before anything changes."""
 
     components: list[str]
@@ -49,7 +49,7 @@ class _Expected:
     optimizers: dict[str, dict[str, Any]]
     """``{name: {"type", "layout"}}`` of the live optimizer (none when it is not read)."""
     tensors: dict[str, Any]
-    """:func:`_live_tensors`."""
+    """:func:`live_tensors`."""
     others: list[str]
     """The components read through their own ``load_state_dict``."""
 
@@ -68,7 +68,7 @@ class ShardIndex:
     """
 
     def __init__(self, folder: Path, saved: dict[str, Any] | None = None, *,
-                 expected: _Expected | None = None, parallel: Parallel | None = None
+                 expected: Expected | None = None, parallel: Parallel | None = None
                  ) -> None:
         self.folder, self.saved, self.expected, self.parallel = folder, saved, expected, parallel
 
@@ -90,7 +90,7 @@ class ShardIndex:
                        if self.parallel is not None else (0, 1))
         for name in sorted(files)[rank::world]:
             entry = files[name]
-            if not isinstance(entry, Mapping) or _file_entry(self.folder / name) != dict(entry):
+            if not isinstance(entry, Mapping) or file_entry(self.folder / name) != dict(entry):
                 raise ValueError(f"shard file {name} does not match its recorded size and "
                                  "checksum: the checkpoint is corrupt")
         if self.expected is not None:  # the model's own mismatches first: the clearest
@@ -100,7 +100,7 @@ class ShardIndex:
         self.saved = dict(saved)
 
 
-def _check_record(saved: Mapping[str, Any], folder: Path, expected: _Expected | None) -> None:
+def _check_record(saved: Mapping[str, Any], folder: Path, expected: Expected | None) -> None:
     """Raise ``ValueError`` unless the index's record is well formed and, with
     ``expected``, serves the live run: its components saved (and nothing saved left out of
     a resume), its optimizer of the saved class and layout, its other components' tensors
@@ -114,12 +114,12 @@ def _check_record(saved: Mapping[str, Any], folder: Path, expected: _Expected | 
             or not isinstance(optimizers, Mapping) or not isinstance(structure, Mapping)):
         raise ValueError("the shard index's components, optimizers or structure are malformed")
     table = FileSystemReader(folder).read_metadata()
-    where = _fqns(table)
+    where = saved_fqns(table)
     for name, skeleton in structure.items():
-        for path in _tensor_paths(skeleton, tuple(str(name).split("."))):
-            entry = table.state_dict_metadata.get(where.get(path, _dotted(path)))
+        for path in tensor_paths(skeleton, tuple(str(name).split("."))):
+            entry = table.state_dict_metadata.get(where.get(path, dotted(path)))
             if not isinstance(entry, TensorStorageMetadata):
-                raise ValueError(f"component {name}: its tensor {_dotted(path)} is not in "
+                raise ValueError(f"component {name}: its tensor {dotted(path)} is not in "
                                  "the shards")
     if expected is None:
         return

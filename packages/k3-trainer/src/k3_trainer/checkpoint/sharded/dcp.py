@@ -24,24 +24,23 @@ import k3_checkpoint
 from ...distributed import Parallel
 from ..agreement import leaves
 from ..components import MODEL, OPTIMIZER, TENSOR_COMPONENTS
-from .tree import _place
+from .tree import place_at
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-_TENSORS = TENSOR_COMPONENTS  # read and written through DCP's state-dict API
 
 
-def _is_main(parallel: Parallel | None) -> bool:
+def is_main(parallel: Parallel | None) -> bool:
     return parallel is None or parallel.is_main
 
 
-def _no_dist(parallel: Parallel | None) -> bool:
+def no_dist(parallel: Parallel | None) -> bool:
     """One process (``parallel=None``): DCP reads and writes everything here, no group."""
     return parallel is None or not dist.is_initialized()
 
 
-def _model_and_optimizer(states: Mapping[str, Any]
+def model_and_optimizer(states: Mapping[str, Any]
                          ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     model, optimizer = states.get(MODEL), states.get(OPTIMIZER)
     if not isinstance(model, nn.Module):
@@ -51,24 +50,24 @@ def _model_and_optimizer(states: Mapping[str, Any]
     return model, optimizer
 
 
-def _others(states: Mapping[str, Any]) -> list[tuple[str, Any]]:
+def other_components(states: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """``(dotted name, component)`` of every component but the model and optimizer."""
-    return leaves({k: v for k, v in states.items() if k not in _TENSORS})
+    return leaves({k: v for k, v in states.items() if k not in TENSOR_COMPONENTS})
 
 
-def _optimizer_record(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+def optimizer_record(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
     """The optimizer's class and layout (``CheckpointError`` for a parameter the model does
     not own)."""
     return {"type": k3_checkpoint.optimizer_identity(optimizer),
             "layout": k3_checkpoint.optimizer_layout(optimizer, model)}
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0]
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def single_process_quiet() -> Iterator[None]:
     """Silence DCP's warning that it runs without a process group: one process reading
     or writing a sharded checkpoint (``eval``, ``sample``, a resume on one device) is
     intended here."""
@@ -78,7 +77,7 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 @functools.cache
-def _weights_only_planner() -> type[DefaultLoadPlanner]:
+def weights_only_planner() -> type[DefaultLoadPlanner]:
     """DCP's default load planner, except that a saved value that is not a tensor (a
     counter, a cursor, an optimizer's hyperparameters) is read by
     ``torch.load(weights_only=True)``: plain data, never an arbitrary unpickle (DCP's own
@@ -92,7 +91,7 @@ def _weights_only_planner() -> type[DefaultLoadPlanner]:
             loaded = torch.load(value, weights_only=True)
             fqn = read_item.dest_index.fqn
             if self.flatten_state_dict:
-                _place(self.original_state_dict, self.mappings[fqn], loaded)
+                place_at(self.original_state_dict, self.mappings[fqn], loaded)
             else:
                 self.state_dict[fqn] = loaded
 

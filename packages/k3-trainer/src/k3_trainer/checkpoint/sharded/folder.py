@@ -28,7 +28,7 @@ def is_sharded(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
-def _hash_share(folder: Path, parallel: Parallel | None, group: Any = None
+def hash_files(folder: Path, parallel: Parallel | None, group: Any = None
                 ) -> dict[str, dict[str, Any]]:
     """``{file: {"bytes", "xxh3_128"}}`` for every file DCP wrote; each rank hashes its share
     of the files and the ranks pool the results (through ``group``; None: the default)."""
@@ -36,7 +36,7 @@ def _hash_share(folder: Path, parallel: Parallel | None, group: Any = None
     own: OSError | None = None
     try:
         names = sorted(p.name for p in folder.iterdir() if p.is_file())
-        mine: dict[str, Any] = {name: _file_entry(folder / name) for name in names[rank::world]}
+        mine: dict[str, Any] = {name: file_entry(folder / name) for name in names[rank::world]}
     except (OSError, ValueError) as error:
         if parallel is None:
             raise
@@ -54,5 +54,5 @@ def _hash_share(folder: Path, parallel: Parallel | None, group: Any = None
     return {name: entry for part in pooled for name, entry in sorted(part.items())}
 
 
-def _file_entry(path: Path) -> dict[str, Any]:
+def file_entry(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "xxh3_128": k3_checkpoint.file_checksum(path)}

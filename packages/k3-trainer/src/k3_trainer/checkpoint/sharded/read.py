@@ -28,20 +28,19 @@ import k3_checkpoint
 
 from ...distributed import Parallel
 from ..agreement import Snapshot, leaves, load_on_every_rank
-from ..components import MODEL, OPTIMIZER
-from .check import ShardIndex, _Expected, _live_tensors
+from ..components import MODEL, OPTIMIZER, TENSOR_COMPONENTS
+from .check import Expected, ShardIndex, live_tensors
 from .dcp import (
-    _TENSORS,
-    _first_line,
-    _model_and_optimizer,
-    _no_dist,
-    _optimizer_record,
-    _others,
-    _single_process_quiet,
-    _weights_only_planner,
+    first_line,
+    model_and_optimizer,
+    no_dist,
+    optimizer_record,
+    other_components,
+    single_process_quiet,
+    weights_only_planner,
 )
 from .folder import META
-from .tree import _dotted, _fqns, _get, _put, _template
+from .tree import dotted, get_at, put_at, saved_fqns, template
 
 _LEGACY_METADATA = frozenset({"optimizer_type", "optimizer_layout"})
 
@@ -61,16 +60,16 @@ def read_sharded(folder: Path, states: Mapping[str, Any], metadata: Mapping[str,
     when any rank refuses it. The RNG is set last.
     """
     folder = Path(folder)
-    model, optimizer = _model_and_optimizer(states)
-    others = _others(states)
-    expected = _Expected(
+    model, optimizer = model_and_optimizer(states)
+    others = other_components(states)
+    expected = Expected(
         components=[name for name, _ in leaves(states)], subset=subset,
         optimizers={} if optimizer is None else {
-            OPTIMIZER: _optimizer_record(optimizer, model)},
-        tensors=_live_tensors(model, optimizer), others=[name for name, _ in others])
+            OPTIMIZER: optimizer_record(optimizer, model)},
+        tensors=live_tensors(model, optimizer), others=[name for name, _ in others])
     index = ShardIndex(folder, expected=expected, parallel=parallel)
     # The one rollback: every component read through load_state_dict and the RNG, as now.
-    snapshot = Snapshot({k: v for k, v in states.items() if k not in _TENSORS})
+    snapshot = Snapshot({k: v for k, v in states.items() if k not in TENSOR_COMPONENTS})
     layout: list[str] = []
 
     def gate() -> k3_checkpoint.LoadedCheckpoint:
@@ -120,11 +119,11 @@ def _load_legacy(folder: Path, states: Mapping[str, Any], metadata: Mapping[str,
                  subset: bool) -> k3_checkpoint.LoadedCheckpoint:
     """The previous layout's load: the small components from ``k3.ckpt`` by
     ``k3_checkpoint`` itself, the optimizer's class and layout compared as metadata."""
-    model, optimizer = _model_and_optimizer(states)
-    small = {name: value for name, value in states.items() if name not in _TENSORS}
+    model, optimizer = model_and_optimizer(states)
+    small = {name: value for name, value in states.items() if name not in TENSOR_COMPONENTS}
     current = dict(metadata)
     if optimizer is not None:
-        record = _optimizer_record(optimizer, model)
+        record = optimizer_record(optimizer, model)
         current.update(optimizer_type=record["type"], optimizer_layout=record["layout"])
     elif subset:  # the optimizer is not read, so neither is its record
         policy = replace(policy, may_differ=policy.may_differ | _LEGACY_METADATA)
@@ -149,7 +148,7 @@ def _nested(saved: Mapping[str, Any]) -> dict[str, Any]:
     """``{"a.b": state}`` as ``{"a": {"b": state}}``, the shape a policy path reads."""
     tree: dict[str, Any] = {}
     for name, state in saved.items():
-        _put(tree, name.split("."), state)
+        put_at(tree, name.split("."), state)
     return tree
 
 
@@ -168,7 +167,7 @@ def _restore_components(folder: Path, others: list[tuple[str, Any]], record: Map
         snapshot.restore()
         raise k3_checkpoint.CheckpointError(
             f"cannot read the components' saved states ({type(error).__name__}: "
-            f"{_first_line(error)}); nothing was restored", path=folder) from error
+            f"{first_line(error)}); nothing was restored", path=folder) from error
     if check is not None:
         try:
             check(saved)
@@ -195,10 +194,10 @@ def _read_components(folder: Path, others: list[tuple[str, Any]], record: Mappin
 
     reader = FileSystemReader(folder)
     table = reader.read_metadata()
-    where = _fqns(table)
+    where = saved_fqns(table)
 
     def tensor(path: tuple[str | int, ...], live: Any) -> torch.Tensor:
-        entry = table.state_dict_metadata[where.get(path, _dotted(path))]
+        entry = table.state_dict_metadata[where.get(path, dotted(path))]
         size, dtype = entry.size, entry.properties.dtype  # type: ignore[union-attr]
         if isinstance(live, torch.Tensor) and live.shape == size and live.dtype == dtype:
             return torch.empty_like(live)
@@ -207,12 +206,12 @@ def _read_components(folder: Path, others: list[tuple[str, Any]], record: Mappin
     tree: dict[str, Any] = {}
     for name, component in others:
         parts = tuple(name.split("."))
-        _put(tree, parts, _template(record["structure"][name], component.state_dict(), parts,
+        put_at(tree, parts, template(record["structure"][name], component.state_dict(), parts,
                                     tensor))
-    with _single_process_quiet():
-        load(tree, storage_reader=reader, planner=_weights_only_planner()(),
-             no_dist=_no_dist(parallel))
-    return {name: _get(tree, name.split(".")) for name, _ in others}
+    with single_process_quiet():
+        load(tree, storage_reader=reader, planner=weights_only_planner()(),
+             no_dist=no_dist(parallel))
+    return {name: get_at(tree, name.split(".")) for name, _ in others}
 
 
 def _read_tensors(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -229,9 +228,9 @@ def _read_tensors(folder: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from torch.distributed.checkpoint.state_dict_loader import load
 
     def read(state: dict[str, Any]) -> None:
-        with _single_process_quiet():
+        with single_process_quiet():
             load(state, storage_reader=FileSystemReader(folder),
-                 planner=_weights_only_planner()(), no_dist=_no_dist(parallel))
+                 planner=weights_only_planner()(), no_dist=no_dist(parallel))
 
     if optimizer is None:
         state: dict[str, Any] = {MODEL: get_model_state_dict(model)}

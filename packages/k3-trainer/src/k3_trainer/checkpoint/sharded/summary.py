@@ -15,12 +15,11 @@ import torch
 
 import k3_checkpoint
 
+from ..components import TENSOR_COMPONENTS
 from .check import ShardIndex
-from .dcp import _TENSORS, _single_process_quiet, _weights_only_planner
+from .dcp import single_process_quiet, weights_only_planner
 from .folder import META
-from .tree import _get, _no_tensor, _put, _template, _tensor_paths
-
-_VALUE_SHOWN = 160  # characters of a value on an inspect line
+from .tree import get_at, no_tensor, put_at, template, tensor_paths
 
 
 def describe_sharded(path: Path) -> list[str]:
@@ -37,15 +36,16 @@ def describe_sharded(path: Path) -> list[str]:
         ShardIndex(folder).load_state_dict(shards)
     except ValueError as error:
         raise k3_checkpoint.CheckpointError(str(error), path=folder) from error
+    total = k3_checkpoint.format_bytes(sum(int(e["bytes"]) for e in files.values()))
     lines = [f"sharded        {folder} -> {folder.resolve().name} "
-             f"(torch.distributed.checkpoint, {len(files)} files, "
-             f"{_size(sum(int(e['bytes']) for e in files.values()))}, every checksum verified)"]
+             f"(torch.distributed.checkpoint, {len(files)} files, {total}, every checksum "
+             "verified)"]
     if "components" in shards:
         lines += _describe_components(folder, shards)
     else:  # the previous layout: the small components are k3.ckpt's own lines
-        table = _tensor_bytes(folder, [(key,) for key in _TENSORS])
-        lines += [f"{key:<14} {_size(table.get((key,), 0))} of tensors (sharded)"
-                  for key in _TENSORS]
+        table = _tensor_bytes(folder, [(key,) for key in TENSOR_COMPONENTS])
+        lines += [f"{key:<14} {k3_checkpoint.format_bytes(table.get((key,), 0))} of tensors "
+                  "(sharded)" for key in TENSOR_COMPONENTS]
     lines += _expert_layout(summary.entries)
     lines += [line for line in summary.lines()
               if not line.startswith(("shards ", "checkpoint ", "components "))]
@@ -61,20 +61,20 @@ def _describe_components(folder: Path, index: Mapping[str, Any]) -> list[str]:
     names = [str(name) for name in index["components"]]
     structure = index["structure"]
     table = _tensor_bytes(folder, [tuple(name.split(".")) for name in names])
-    plain = [name for name in names if name not in _TENSORS
-             and not any(_tensor_paths(structure[name], ()))]
+    plain = [name for name in names if name not in TENSOR_COMPONENTS
+             and not any(tensor_paths(structure[name], ()))]
     tree: dict[str, Any] = {}
     for name in plain:
-        _put(tree, name.split("."), _template(structure[name], None, (), _no_tensor))
+        put_at(tree, name.split("."), template(structure[name], None, (), no_tensor))
     if tree:
-        with _single_process_quiet():
+        with single_process_quiet():
             load(tree, storage_reader=FileSystemReader(folder),
-                 planner=_weights_only_planner()(), no_dist=True)
+                 planner=weights_only_planner()(), no_dist=True)
     lines = []
     for name in names:
         size = table.get(tuple(name.split(".")), 0)
-        text = _flat(_get(tree, name.split("."))) if name in plain else (
-            f"{_size(size)} of tensors (sharded)")
+        text = k3_checkpoint.format_value(get_at(tree, name.split("."))) if name in plain else (
+            f"{k3_checkpoint.format_bytes(size)} of tensors (sharded)")
         lines.append(f"{name:<14} {text}")
     return lines
 
@@ -115,20 +115,3 @@ def _expert_layout(entries: Mapping[str, Any]) -> list[str]:
     return [f"expert layout  {groups}: rank r of a group held routed experts "
             f"[{per_rank}·r, {per_rank}·(r+1)) of {experts} per MoE layer; shards keyed by "
             "global expert index (any layout resumes with --allow-runtime-change)"]
-
-
-def _flat(value: Any) -> str:
-    """``a=1, b=2`` for a mapping of scalars (counters), else the value's repr, shortened."""
-    if isinstance(value, Mapping) and all(
-            not isinstance(item, (Mapping, list)) for item in value.values()):
-        text = ", ".join(f"{key}={item}" for key, item in value.items())
-    else:
-        text = repr(value)
-    return text if len(text) <= _VALUE_SHOWN else text[: _VALUE_SHOWN - 1] + "…"
-
-
-def _size(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size} B"

@@ -3,7 +3,7 @@
 Writing: the caller creates the empty folder; every rank writes its shards, fsynced; each
 rank hashes its share of the files; rank 0 writes ``k3.ckpt`` last and fsyncs the folder. A
 failure on any rank is an ``OSError`` on every rank. What a write puts in the folder
-(:func:`_prepare`) and how it ends (:func:`_seal`) are shared with a background write
+(:func:`prepare`) and how it ends (:func:`seal`) are shared with a background write
 (:mod:`.background`).
 """
 
@@ -25,16 +25,16 @@ from ..agreement import leaves, raise_on_every_rank
 from ..components import MODEL, OPTIMIZER
 from .check import ShardIndex
 from .dcp import (
-    _first_line,
-    _is_main,
-    _model_and_optimizer,
-    _no_dist,
-    _optimizer_record,
-    _others,
-    _single_process_quiet,
+    first_line,
+    is_main,
+    model_and_optimizer,
+    no_dist,
+    optimizer_record,
+    other_components,
+    single_process_quiet,
 )
-from .folder import META, _hash_share
-from .tree import _put, _skeleton
+from .folder import META, hash_files
+from .tree import put_at, skeleton
 
 _ELSEWHERE = "another rank failed to write its part of the checkpoint (see its error line)"
 
@@ -51,7 +51,7 @@ def reshard(model: nn.Module) -> None:
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class Prepared:
     """What one write puts in the folder, taken from the live states on the calling thread."""
 
     state: dict[str, Any]
@@ -76,17 +76,17 @@ def write_sharded(folder: Path, states: Mapping[str, Any], metadata: Mapping[str
     folder = Path(folder)
     prepared, failure = None, None
     try:
-        prepared = _prepare(states)
+        prepared = prepare(states)
     except OSError as error:
         failure = error
-    _agree(parallel, failure)
+    agree(parallel, failure)
     assert prepared is not None
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             save(prepared.state, storage_writer=FileSystemWriter(folder, sync_files=True),
-                 no_dist=_no_dist(parallel))
+                 no_dist=no_dist(parallel))
     except (Exception, CheckpointException) as error:  # the latter on every rank
-        raise _os_error(error, folder) from error
+        raise as_os_error(error, folder) from error
     model, record = prepared.model, prepared.record
 
     def write_meta(files: dict[str, Any]) -> str:
@@ -94,18 +94,18 @@ def write_sharded(folder: Path, states: Mapping[str, Any], metadata: Mapping[str
             folder / META, {"shards": ShardIndex(folder, {**record, "files": files})},
             metadata, modules=[model])
 
-    return _seal(folder, write_meta if _is_main(parallel) else None, parallel, None)
+    return seal(folder, write_meta if is_main(parallel) else None, parallel, None)
 
 
-def _prepare(states: Mapping[str, Any]) -> _Prepared:
+def prepare(states: Mapping[str, Any]) -> Prepared:
     """The state DCP writes and the shard index's record; ``OSError`` (errno 0) for states
     a checkpoint cannot hold."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    model, optimizer = _model_and_optimizer(states)
+    model, optimizer = model_and_optimizer(states)
     if optimizer is not None:
         try:
-            optimizers = {OPTIMIZER: _optimizer_record(optimizer, model)}
+            optimizers = {OPTIMIZER: optimizer_record(optimizer, model)}
         except k3_checkpoint.CheckpointError as error:
             raise OSError(0, str(error)) from error
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -113,7 +113,7 @@ def _prepare(states: Mapping[str, Any]) -> _Prepared:
     else:
         state, optimizers = {MODEL: get_model_state_dict(model)}, {}
     structure: dict[str, Any] = {}
-    for name, component in _others(states):
+    for name, component in other_components(states):
         if isinstance(component, torch.optim.Optimizer):
             raise OSError(0, f"component '{name}' is a second optimizer; a sharded checkpoint "
                              "keeps one, under 'optimizer'")
@@ -121,19 +121,19 @@ def _prepare(states: Mapping[str, Any]) -> _Prepared:
             value = k3_checkpoint.to_plain(component.state_dict(), name, tensors=True)
         except k3_checkpoint.CheckpointError as error:
             raise OSError(0, str(error)) from error
-        _put(state, name.split("."), value)
-        structure[name] = _skeleton(value)
+        put_at(state, name.split("."), value)
+        structure[name] = skeleton(value)
     names = [name for name, _ in leaves(states)]
-    return _Prepared(state, {"components": sorted(names), "optimizers": optimizers,
+    return Prepared(state, {"components": sorted(names), "optimizers": optimizers,
                              "structure": structure}, model)
 
 
-def _seal(folder: Path, write_meta: Callable[[dict[str, Any]], str] | None,
+def seal(folder: Path, write_meta: Callable[[dict[str, Any]], str] | None,
           parallel: Parallel | None, group: Any) -> str:
     """Hash the shards (each rank its share), then rank 0 (``write_meta``) writes
     ``k3.ckpt`` and fsyncs the folder; the ranks agree on the outcome through ``group``
     (None: the default group, on the training thread)."""
-    files = _hash_share(folder, parallel, group)
+    files = hash_files(folder, parallel, group)
     digest, failure = "", None
     if write_meta is not None:
         try:
@@ -144,7 +144,7 @@ def _seal(folder: Path, write_meta: Callable[[dict[str, Any]], str] | None,
         except k3_checkpoint.CheckpointError as error:
             failure = OSError(0, str(error))
     if group is None:
-        _agree(parallel, failure)
+        agree(parallel, failure)
     elif parallel is not None:
         flag = torch.tensor([0.0 if failure is None else 1.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -155,11 +155,11 @@ def _seal(folder: Path, write_meta: Callable[[dict[str, Any]], str] | None,
     return digest
 
 
-def _agree(parallel: Parallel | None, failure: OSError | None) -> None:
+def agree(parallel: Parallel | None, failure: OSError | None) -> None:
     raise_on_every_rank(parallel, failure, _ELSEWHERE)
 
 
-def _os_error(error: BaseException, where: Path) -> OSError:
+def as_os_error(error: BaseException, where: Path) -> OSError:
     """The OSError behind a DCP failure (disk full...), or one that names the failure.
 
     DCP raises a ``CheckpointException`` (a ``BaseException``) on every rank, listing each
@@ -178,6 +178,6 @@ def _os_error(error: BaseException, where: Path) -> OSError:
             if isinstance(link, OSError):
                 return link
             link = link.__cause__ or link.__context__
-    described = "; ".join(f"{who}{type(cause).__name__}: {_first_line(cause)}"
+    described = "; ".join(f"{who}{type(cause).__name__}: {first_line(cause)}"
                           for who, cause in causes)
     return OSError(0, f"writing the shards into {where} failed ({described})")

@@ -8,7 +8,7 @@ import pytest
 
 from k3_trainer import DataError, PrepareOptions, prepare_dataset, read_manifest
 from k3_trainer.cli import main
-from k3_trainer.data import sources as sources_module
+from k3_trainer.data import readers
 from k3_trainer.data.prepare import describe_prepared
 
 
@@ -107,7 +107,7 @@ def test_a_nul_byte_makes_a_file_binary(tmp_path):
 
 def test_a_large_file_is_skipped_whole_when_its_bad_byte_comes_late(tmp_path, monkeypatch):
     """A file read in several pieces is checked before its first piece is tokenized."""
-    monkeypatch.setattr(sources_module, "PIECE_BYTES", 64)
+    monkeypatch.setattr(readers, "PIECE_BYTES", 64)
     folder = tmp_path / "in"
     folder.mkdir()
     good = "".join(f"good line {i}\n" for i in range(50))
