@@ -11,6 +11,9 @@ a MoE. The residual stream is plain pre-norm, or block Attention Residuals
 :class:`Block` call is one layer, the unit that activation checkpointing recomputes
 (:meth:`K3Model.set_activation_checkpointing`, :mod:`k3_model.activation_checkpointing`).
 
+Context parallelism (:meth:`K3Model.set_context_parallel`, :mod:`k3_model.context_parallel`)
+splits one sequence over the ranks of a group, exactly.
+
 The optimizer routing is declared, not guessed: :meth:`K3Model.parameter_groups`
 (see :mod:`k3_model.routing`).
 """
@@ -213,6 +216,10 @@ class K3Model(nn.Module):
         loss is computed chunk by chunk (:func:`~k3_model.loss.chunked_cross_entropy`)
         precisely so that the logits never exist, and **the logits returned are None**.
         Callers that need logits (sampling, custom evaluation) call ``model(x)``.
+
+        Under context parallelism (:meth:`set_context_parallel`) ``x``, ``targets`` and
+        ``document_ids`` are this rank's slice of every row, and the logits and loss are
+        the slice's.
         """
         if x.ndim != 2:
             raise ValueError(
