@@ -11,6 +11,7 @@ maxima it observed.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import itertools
 from pathlib import Path
@@ -158,6 +159,10 @@ def worker(rank: int, world: int, init: str, out: str, configs: dict[str, Any]) 
         # Slices of different lengths are refused on every rank, with one line.
         model = build(configs["k3"])
         model.set_context_parallel(groups["all"])
+        twin = copy.deepcopy(model)  # e.g. an evaluation copy: the same group
+        results["copy_shares_group"] = (twin.context_parallel is model.context_parallel
+                                        and twin.layers[0].attn.context_parallel
+                                        is model.context_parallel)
         try:
             model(batch()[:, : 16 + 2 * rank])
         except ValueError as error:

@@ -127,3 +127,7 @@ def test_every_case_ran_with_documents_across_boundaries(ranks):
 def test_slices_of_different_lengths_are_refused_on_every_rank(ranks):
     for r in ranks:
         assert "equal slice" in r["unequal"] and "\n" not in r["unequal"]
+
+
+def test_a_deep_copy_of_the_model_keeps_its_group(ranks):
+    assert all(r["copy_shares_group"] for r in ranks)

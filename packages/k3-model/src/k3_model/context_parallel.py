@@ -97,6 +97,10 @@ class ContextParallel:
     def __repr__(self) -> str:
         return f"ContextParallel(rank={self.rank}, size={self.size})"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ContextParallel:
+        """A copied model runs in the same group (a process group cannot be copied)."""
+        return self
+
     @_eager
     def gather(self, tensor: Tensor) -> Tensor:
         """Every rank's ``tensor`` stacked in rank order, ``(size, *tensor.shape)``;
