@@ -8,6 +8,12 @@ Sections (``--sections`` picks a subset, in this order): ``ns_correctness`` (NS 
 dtype against fp64), ``ns_throughput`` (bf16 NS TFLOP/s against a bf16 matmul; goal ≥ 0.9
 at 4096²), ``optimizer_step`` (MuonAdamW vs torch's Muon+AdamW), ``kda`` (our chunk_kda
 vs flash-linear-attention's kernel: agreement, forward and forward+backward time),
+``documents`` (documents kept apart on the device), ``cp`` (context parallelism: KDA's
+state passing over 2, 4, 8 slices in one process against the whole sequence, fp32, and
+against fla's kernel; one slice's peak memory and time against the whole sequence; with
+2 or more GPUs the ``small`` model under context parallelism over NCCL against one
+process, and flash-linear-attention's CP kernel against ours where ``fla.ops.cp``
+imports; ``gpu_check_cp.py``),
 ``decode`` (generation with the cache: cached logits against the full forward in fp32,
 then milliseconds per decoding step eager, replayed from a CUDA graph on a static cache,
 and recomputing the context, ``small`` in bf16 at contexts 1024 and 4096, batch 1 and 8;
@@ -50,9 +56,9 @@ from k3_optim import MuonAdamW, newton_schulz
 # of k3_trainer.observe.window.PEAK_TFLOPS["bf16"], so this script runs with only k3-optim.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                     "A10G": 70.0, "RTX 4090": 165.0}
-SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "documents", "decode",
-            "train", "expert_parallel", "checkpoint")
-NEEDS_K3_MODEL = ("kda", "documents", "decode", "train", "expert_parallel", "checkpoint")
+SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "documents", "cp",
+            "decode", "train", "expert_parallel", "checkpoint")
+NEEDS_K3_MODEL = ("kda", "documents", "cp", "decode", "train", "expert_parallel", "checkpoint")
 TRAIN_RESERVE_S = 200.0  # what earlier sections leave for ``train`` when it is selected
 MFU_GOAL, NS_GOAL = 0.40, 0.90
 
@@ -247,6 +253,27 @@ def markdown(results: dict[str, Any]) -> str:
                      f"max rel {documents['agreement_fp32_max_rel']:.1e}", "≤ 1e-5"))
         rows.append(("documents apart: training step masked ÷ plain, bf16",
                      f"{documents['masked_over_plain']:.2f}×", ""))
+    cp = results.get("cp", {})
+    for slices, row in cp.get("agreement_fp32", {}).items():
+        rows.append((f"cp: KDA over {slices} vs whole ({cp['shape']}), fp32",
+                     f"o rel {row['o']:.1e}, worst grad rel {row['grads']:.1e}", "≤ 1e-5"))
+    if isinstance(cp.get("fla"), dict):
+        rows.append(("cp: KDA over 4 slices (ours) vs fla whole, bf16",
+                     ", ".join(f"{k} {v:.1e}" for k, v in cp["fla"].items()), ""))
+    for case, row in cp.get("slice_cost_bf16", {}).items():
+        memory = "" if row["peak_bytes"] is None else f", peak {row['peak_bytes'] / 2**20:,.0f} MiB"
+        rows.append((f"cp: KDA {case} ({cp['shape']}), bf16 fwd+bwd",
+                     f"{row['ms']:.1f} ms{memory}", ""))
+    model_nccl = cp.get("model_nccl", {})
+    if "model_loss_rel" in model_nccl:
+        rows.append((f"cp: small over {model_nccl['world']} GPUs (NCCL) vs one process, fp32",
+                     f"loss rel {model_nccl['model_loss_rel']:.1e}, grad rel "
+                     f"{model_nccl['model_grad_rel']:.1e}; fla CP: {model_nccl['fla_cp']}",
+                     "≤ 1e-5"))
+    elif model_nccl:
+        rows.append(("cp: model over NCCL", str(model_nccl.get("skipped")
+                                                or model_nccl.get("error", "")).splitlines()[-1],
+                     ""))
     decode = results.get("decode", {})
     if "agreement_fp32_max_rel" in decode:
         rows.append((f"decode {decode.get('preset', '')}: cached vs full forward, fp32",
@@ -310,11 +337,13 @@ def _run_section(name: str, ctx: Context) -> bool:
             out["skipped"] = "needs k3-model: pip install -e packages/k3-model"
             ctx.log(f"{name}: skipped: {out['skipped']}")
             return True
-        import gpu_check_k3  # this script's sibling; imports k3_model inside its sections
+        import gpu_check_cp  # this script's siblings; they import k3_model in their sections
+        import gpu_check_k3
 
         fns: dict[str, Callable[[Context, dict[str, Any]], None]] = {
             "kda": gpu_check_k3.kda,
             "documents": gpu_check_k3.documents,
+            "cp": gpu_check_cp.context_parallel,
             "decode": gpu_check_k3.decode,
             "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device)),
             "expert_parallel": gpu_check_k3.expert_parallel,

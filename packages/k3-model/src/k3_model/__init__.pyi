@@ -8,6 +8,7 @@ from .attn_res import ResidualRead
 from .balancer import QuantileBalancer, expert_counts, quantile_bias
 from .cache import DecodeCache
 from .config import K3Config
+from .context_parallel import ContextParallel, check_context_parallel
 from .flops import ParameterCount, count_parameters, flops_per_token, kda_flops_per_token
 from .hub import load_pretrained, save_pretrained
 from .kda import KimiDeltaAttention, chunk_kda, recurrent_kda
@@ -26,6 +27,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "PRESETS",
     "Block",
+    "ContextParallel",
     "Continuations",
     "DecodeCache",
     "Experts",
@@ -47,6 +49,7 @@ __all__ = [
     "SwiGLU",
     "__version__",
     "apply_rotary",
+    "check_context_parallel",
     "chunk_kda",
     "chunked_cross_entropy",
     "count_parameters",

@@ -21,6 +21,7 @@ from k3_qkclip import QKObserver, QKSpec, observed_attention
 
 from .cache import KVCache, LatentCache, Step
 from .config import K3Config
+from .context_parallel import ContextParallel, context_attention
 from .documents import Documents
 from .kda import KimiDeltaAttention
 from .norm import RMSNorm
@@ -36,6 +37,7 @@ class GQAttention(nn.Module):
     """
 
     qk_observer: QKObserver | None = None  # installed by k3_qkclip.QKClip while active
+    context_parallel: ContextParallel | None = None  # K3Model.set_context_parallel
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -68,8 +70,13 @@ class GQAttention(nn.Module):
         k = self.k_proj(x).view(b, t, kv, e).transpose(1, 2)
         v = self.v_proj(x).view(b, t, kv, e).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = observed_attention(q, k, v, self.qk_observer,
-                               mask=None if documents is None else documents.mask)
+        mask = None if documents is None else documents.mask
+        if self.context_parallel is None:
+            y = observed_attention(q, k, v, self.qk_observer, mask=mask)
+        else:  # the keys and values of this slice and every earlier one
+            seen = self.context_parallel.visible(torch.cat([k, v], dim=-1), 2)
+            keys, values = torch.split(seen, e, dim=-1)
+            y = context_attention(q, keys, values, self.qk_observer, mask)
         out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, h * e))
         return out
 
@@ -108,6 +115,7 @@ class MLAttention(nn.Module):
     """
 
     qk_observer: QKObserver | None = None  # installed by k3_qkclip.QKClip while active
+    context_parallel: ContextParallel | None = None  # K3Model.set_context_parallel
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -162,8 +170,6 @@ class MLAttention(nn.Module):
         q = self.q_up(self.q_norm(self.q_down(x))) if self.q_rank else self.q_proj(x)
         q = q.view(b, t, h, dn + dr).transpose(1, 2)
         latent, k_shared = self.kv_down(x).split([self.kv_rank, dr], dim=-1)
-        kv = self.kv_up(self.kv_norm(latent)).view(b, t, h, dn + dv).transpose(1, 2)
-        k_nope, v = kv.split([dn, dv], dim=-1)
         k_shared = k_shared.unsqueeze(1)
         if self.rope:
             if cos is None or sin is None:
@@ -171,9 +177,20 @@ class MLAttention(nn.Module):
             q_nope, q_rope = q.split([dn, dr], dim=-1)
             q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
             k_shared = apply_rotary(k_shared, cos, sin)
-        k = torch.cat([k_nope, k_shared.expand(b, h, t, dr)], dim=-1)
-        y = observed_attention(q, k, v, self.qk_observer,
-                               mask=None if documents is None else documents.mask)
+        if self.context_parallel is not None:  # the latents of this slice and earlier ones
+            compressed = torch.cat([latent, k_shared.squeeze(1)], dim=-1)
+            seen = self.context_parallel.visible(compressed, 1)
+            latent, k_shared = torch.split(seen, [self.kv_rank, dr], dim=-1)
+            k_shared = k_shared.unsqueeze(1)
+        s = latent.shape[1]
+        kv = self.kv_up(self.kv_norm(latent)).view(b, s, h, dn + dv).transpose(1, 2)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k = torch.cat([k_nope, k_shared.expand(b, h, s, dr)], dim=-1)
+        mask = None if documents is None else documents.mask
+        if self.context_parallel is None:
+            y = observed_attention(q, k, v, self.qk_observer, mask=mask)
+        else:
+            y = context_attention(q, k, v, self.qk_observer, mask)
         y = y.transpose(1, 2).reshape(b, t, h * dv)
         return self._output(x, y)
 

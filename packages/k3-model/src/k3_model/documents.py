@@ -13,6 +13,12 @@ kind needs to treat each document as if it ran alone:
   document begins a chunk whose incoming state is zero and ends in zero padding, which is
   inert, so each chunk computes exactly what the document alone would.
 
+Under context parallelism (:mod:`k3_model.context_parallel`) each rank builds the layout of
+its slice from the whole rows' ids (``Documents.from_ids(..., start=, length=)``): positions
+count from each document's start wherever it began, the mask covers the keys of this slice
+and every earlier one, and the KDA packing keeps the incoming state at the slice's first
+token unless a document starts there.
+
 Everything here is computed outside the decoder blocks (one host read for the packed
 length), so a compiled block sees plain tensors.
 """
@@ -60,20 +66,34 @@ class Documents:
     ids: Tensor
     starts: Tensor  # (B, T) bool: the token begins a document
     positions: Tensor  # (B, T) long: the token's index within its document
-    mask: Tensor  # (B, 1, T, T) bool: query t may attend key s (same document, s ≤ t)
+    mask: Tensor  # (B, 1, T, S) bool: query t may attend key s (same document, s ≤ t);
+    # S = T, or under context parallelism the keys of this slice and every earlier one
     packings: dict[int, Packing] = field(default_factory=dict)
 
     @classmethod
     def from_ids(cls, ids: Tensor, shape: tuple[int, ...],
-                 chunk_sizes: tuple[int, ...] = ()) -> Documents:
+                 chunk_sizes: tuple[int, ...] = (), *, start: int = 0,
+                 length: int | None = None) -> Documents:
         """Validate ``ids`` against the tokens' ``shape`` and precompute the masks (and a
-        :class:`Packing` per KDA chunk size in ``chunk_sizes``)."""
+        :class:`Packing` per KDA chunk size in ``chunk_sizes``).
+
+        ``start``/``length`` (context parallelism): ``ids`` are the whole rows and the
+        layout is that of the tokens ``[start, start + length)`` alone: their positions
+        within their documents (a document may have begun before ``start``), their mask
+        over the keys ``[0, start + length)``, and a packing in which the slice's first
+        token begins a chunk whose incoming state is kept unless a document starts there.
+        """
         if ids.shape != shape:
             raise ValueError(f"document_ids must have the tokens' shape {tuple(shape)}, got "
                              f"{tuple(ids.shape)}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError(f"document_ids must be integers, got {ids.dtype}")
         b, t = shape
+        length = t - start if length is None else length
+        stop = start + length
+        if not 0 <= start < stop <= t:
+            raise ValueError(f"Documents.from_ids: the slice [{start}, {stop}) is not inside "
+                             f"rows of {t} tokens")
         if t > 1 and bool((ids[:, 1:] < ids[:, :-1]).any()):
             raise ValueError("document_ids must be non-decreasing along each row (each "
                              "document's tokens contiguous)")
@@ -82,9 +102,12 @@ class Documents:
         steps = torch.arange(t, device=ids.device).expand(b, t)
         first = torch.where(starts, steps, torch.zeros_like(steps)).cummax(dim=1).values
         positions = steps - first
-        same = ids[:, :, None] == ids[:, None, :]
-        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-        documents = cls(ids, starts, positions, (same & causal)[:, None])
+        local = ids[:, start:stop]
+        same = local[:, :, None] == ids[:, None, :stop]
+        queries = torch.arange(start, stop, device=ids.device)
+        causal = torch.arange(stop, device=ids.device)[None, :] <= queries[:, None]
+        documents = cls(local, starts[:, start:stop], positions[:, start:stop],
+                        (same & causal)[:, None])
         for chunk in sorted(set(chunk_sizes)):
             documents.packings[chunk] = documents._packing(chunk)
         return documents
@@ -99,10 +122,16 @@ class Documents:
 
     def _packing(self, chunk: int) -> Packing:
         b, t = self.ids.shape
-        ends = torch.ones_like(self.starts)
-        ends[:, :-1] = self.starts[:, 1:]
-        # After each document's last token, the padding up to the next chunk boundary.
-        pad = torch.where(ends, (-(self.positions + 1)) % chunk, 0)
+        # Segments: the documents, and the slice's first token (under context parallelism
+        # a document may continue from the previous rank); only documents restart.
+        segments = self.starts.clone()
+        segments[:, 0] = True
+        steps = torch.arange(t, device=self.ids.device).expand(b, t)
+        first = torch.where(segments, steps, torch.zeros_like(steps)).cummax(dim=1).values
+        ends = torch.ones_like(segments)
+        ends[:, :-1] = segments[:, 1:]
+        # After each segment's last token, the padding up to the next chunk boundary.
+        pad = torch.where(ends, (-(steps - first + 1)) % chunk, 0)
         index = torch.arange(t, device=self.ids.device) + pad.cumsum(dim=1) - pad
         longest = int((t + pad.sum(dim=1)).max())  # the one host read
         restart = torch.zeros(b, longest // chunk, dtype=torch.bool, device=self.ids.device)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KDAState, Step
+from .context_parallel import ContextParallel
 from .documents import Documents
 from .norm import RMSNorm
 
@@ -350,6 +351,9 @@ class KimiDeltaAttention(nn.Module):
     kernel (CUDA); "auto" picks fla for CUDA inputs when it imports, else ``chunk_kda``.
     """
 
+    context_parallel: ContextParallel | None = None
+    """This rank's context-parallel group (``K3Model.set_context_parallel``); None: off."""
+
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, conv_size: int = 4,
                  norm_eps: float = 1e-5, chunk_size: int = 64, backend: str = "auto",
                  decay: str = "bounded", gate_lower_bound: float = DECAY_LOWER_BOUND,
@@ -426,16 +430,18 @@ class KimiDeltaAttention(nn.Module):
         h = self.n_heads
         return {"q_proj.weight": h, "k_proj.weight": h, "v_proj.weight": h}
 
-    def _short_conv(self, conv: nn.Conv1d, x: Tensor, documents: Documents | None = None
-                    ) -> Tensor:
+    def _short_conv(self, conv: nn.Conv1d, x: Tensor, documents: Documents | None = None,
+                    halo: Tensor | None = None) -> Tensor:
         """Depthwise causal conv over time ([B, T, C] in and out) then SiLU; with
         ``documents``, tap ``j`` tokens back reads zero where that token belongs to an
-        earlier document (the document's own convolution, restarted)."""
+        earlier document (the document's own convolution, restarted). ``halo`` [B,
+        kernel − 1, C]: the inputs before ``x`` (context parallelism: the previous
+        slice's last ones) instead of zeros."""
+        width = self.conv_size
+        padded = F.pad(x, (0, 0, width - 1, 0)) if halo is None else torch.cat([halo, x], 1)
         if documents is None:
-            y = conv(F.pad(x.transpose(1, 2), (self.conv_size - 1, 0)))
-            return F.silu(y).transpose(1, 2)
-        t, width = x.shape[1], self.conv_size
-        padded = F.pad(x, (0, 0, width - 1, 0))
+            return F.silu(conv(padded.transpose(1, 2))).transpose(1, 2)
+        t = x.shape[1]
         taps = conv.weight[:, 0].to(x.dtype)  # [C, width]: tap i reads width − 1 − i back
         out = padded[:, width - 1:] * taps[:, -1]
         for i in range(width - 1):
@@ -479,7 +485,11 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: Tensor, documents: Documents | None = None) -> Tensor:
         """The layer's output for ``x`` [B, T, d] from a zero state; with ``documents``,
         the state and the convolution restart at each document's first token (every
-        document as if alone)."""
+        document as if alone). Under context parallelism (``context_parallel`` set),
+        ``x`` is this rank's slice and the state and the convolution continue from the
+        earlier slices (:meth:`_forward_slice`)."""
+        if self.context_parallel is not None:
+            return self._forward_slice(x, self.context_parallel, documents)
         b, t, _ = x.shape
         h, e = self.n_heads, self.head_dim
         q = self._short_conv(self.q_conv, self.q_proj(x), documents).view(b, t, h, e)
@@ -516,6 +526,43 @@ class KimiDeltaAttention(nn.Module):
                              chunk_size=self.chunk_size, gate_lower_bound=self.decay_bound,
                              restart=packing.restart)
             o = packing.unpack(o)
+        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x)).view(b, t, h, e)
+        out: Tensor = self.o_proj(o.reshape(b, t, h * e))
+        return out
+
+    def _forward_slice(self, x: Tensor, cp: ContextParallel,
+                       documents: Documents | None) -> Tensor:
+        """:meth:`forward` on rank ``cp.rank``'s slice of the sequence, exactly (see
+        :mod:`k3_model.state_passing`): the short convolutions read the previous slice's
+        last ``kernel − 1`` projected inputs, and the recurrence starts from the state
+        the earlier slices hand over, composed from every slice's ``[S₀ | M]``. Runs
+        ``chunk_kda`` (any device; flash-linear-attention's kernel is not used here)."""
+        from .state_passing import carry_in, settle, slice_summary
+
+        b, t, _ = x.shape
+        h, e, width = self.n_heads, self.head_dim, self.conv_size
+        if t < width - 1:
+            raise ValueError(f"context parallelism: a slice of {t} tokens is shorter than "
+                             f"the short convolution's reach ({width - 1}); use fewer ranks")
+        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        halo = cp.previous(torch.cat([p[:, t - (width - 1):] for p in projected], dim=-1))
+        q, k, v = (self._short_conv(conv, p, documents, part).view(b, t, h, e)
+                   for conv, p, part in zip((self.q_conv, self.k_conv, self.v_conv),
+                                            projected, torch.split(halo, h * e, dim=-1)))
+        q, k = l2_normalize(q), l2_normalize(k)
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        packing = None if documents is None else documents.packing(self.chunk_size)
+        if packing is not None:  # documents chunk-aligned; the slice's first chunk
+            q, k, v, g, beta = (packing.pack(z) for z in (q, k, v, g, beta))  # restarts
+        o0, reads, summary = slice_summary(  # only where a document starts
+            q, k, v, g, beta, scale=e**-0.5, chunk_size=self.chunk_size,
+            gate_lower_bound=self.decay_bound,
+            restart=None if packing is None else packing.restart)
+        if packing is not None:
+            o0, reads = packing.unpack(o0), packing.unpack(reads)
+        incoming = carry_in(cp.gather(summary).unbind(0), cp.rank)
+        o = settle(o0, reads, incoming, v.dtype)
         o = self.o_norm(o) * torch.sigmoid(self.output_gate(x)).view(b, t, h, e)
         out: Tensor = self.o_proj(o.reshape(b, t, h * e))
         return out

@@ -11,6 +11,9 @@ a MoE. The residual stream is plain pre-norm, or block Attention Residuals
 :class:`Block` call is one layer, the unit that activation checkpointing recomputes
 (:meth:`K3Model.set_activation_checkpointing`, :mod:`k3_model.activation_checkpointing`).
 
+Context parallelism (:meth:`K3Model.set_context_parallel`, :mod:`k3_model.context_parallel`)
+splits one sequence over the ranks of a group, exactly.
+
 The optimizer routing is declared, not guessed: :meth:`K3Model.parameter_groups`
 (see :mod:`k3_model.routing`).
 """
@@ -24,6 +27,7 @@ from typing import Any, overload
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from .activation_checkpointing import CheckpointMode, check_mode, checkpointed
 from .attention import GQAttention, MLAttention, build_attention
@@ -31,6 +35,7 @@ from .attn_res import ResidualRead, inverse_rms
 from .balancer import QuantileBalancer
 from .cache import DecodeCache, Decoding
 from .config import K3Config
+from .context_parallel import ContextParallel
 from .documents import Documents
 from .flops import flops_per_token
 from .kda import KimiDeltaAttention
@@ -158,6 +163,7 @@ class K3Model(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self._checkpointing: CheckpointMode = "none"
+        self._context_parallel: ContextParallel | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -210,26 +216,36 @@ class K3Model(nn.Module):
         loss is computed chunk by chunk (:func:`~k3_model.loss.chunked_cross_entropy`)
         precisely so that the logits never exist, and **the logits returned are None**.
         Callers that need logits (sampling, custom evaluation) call ``model(x)``.
+
+        Under context parallelism (:meth:`set_context_parallel`) ``x``, ``targets`` and
+        ``document_ids`` are this rank's slice of every row, and the logits and loss are
+        the slice's.
         """
         if x.ndim != 2:
             raise ValueError(
                 f"K3Model: x must be (batch, seq) token ids, got shape {tuple(x.shape)}"
             )
-        t = x.shape[1]
-        if t > self.config.max_seq_len:
+        t, cp = x.shape[1], self._context_parallel
+        if cp is not None:
+            cp.check_slice(t, x.device)
+        whole = t if cp is None else t * cp.size
+        if whole > self.config.max_seq_len:
             raise ValueError(
-                f"K3Model: sequence length {t} exceeds K3Config.max_seq_len "
+                f"K3Model: sequence length {whole} exceeds K3Config.max_seq_len "
                 f"({self.config.max_seq_len}); raise max_seq_len or shorten the batch"
             )
         documents = None
         if document_ids is not None:
             chunks = tuple(layer.attn.chunk_size for layer in self.layers
                            if isinstance(layer.attn, KimiDeltaAttention))
-            documents = Documents.from_ids(document_ids, tuple(x.shape), chunks)
-        rope = self.rotary(t) if self.rotary is not None else None
-        if rope is not None and documents is not None:
-            rope = (self.rotary.cos[documents.positions][:, None],  # type: ignore[union-attr]
-                    self.rotary.sin[documents.positions][:, None])  # type: ignore[union-attr]
+            if cp is None:
+                documents = Documents.from_ids(document_ids, tuple(x.shape), chunks)
+            elif document_ids.shape != x.shape:
+                raise ValueError(f"document_ids must have the tokens' shape "
+                                 f"{tuple(x.shape)}, got {tuple(document_ids.shape)}")
+            else:  # from the whole rows' ids: documents that began on an earlier rank
+                documents = cp.documents(document_ids, chunks)
+        rope = self._rope(t, documents, x.device)
         h = self.norm(self._layers(self.embed(x), rope, documents=documents))
         if targets is None:
             return self.lm_head(h), None
@@ -239,6 +255,21 @@ class K3Model(nn.Module):
         logits: Tensor = self.lm_head(h)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
+
+    def _rope(self, t: int, documents: Documents | None, device: torch.device
+              ) -> tuple[Tensor, Tensor] | None:
+        """The rotary tables at the tokens' positions: within their documents ``(B, 1, T,
+        ·)``, or in the whole row (this rank's slice of it under context parallelism)."""
+        if self.rotary is None:
+            return None
+        if documents is not None:
+            return (self.rotary.cos[documents.positions][:, None],
+                    self.rotary.sin[documents.positions][:, None])
+        if self._context_parallel is not None:
+            positions = self._context_parallel.positions(t, device)
+            return self.rotary.cos[positions], self.rotary.sin[positions]
+        tables: tuple[Tensor, Tensor] = self.rotary(t)
+        return tables
 
     def _layers(self, h: Tensor, rope: tuple[Tensor, Tensor] | None,
                 decoding: Decoding | None = None, documents: Documents | None = None
@@ -375,6 +406,29 @@ class K3Model(nn.Module):
         for module in self.modules():
             if isinstance(module, QuantileBalancer):
                 module.token_gather = gather
+
+    def set_context_parallel(self, group: ProcessGroup | None) -> None:
+        """Context parallelism over ``group`` (None: off): from now on :meth:`forward`
+        takes this rank's contiguous slice ``x[:, r·T/N:(r+1)·T/N]`` of every row (r the
+        rank in ``group``, N its size; ``document_ids`` sliced the same way, with ids
+        consistent over the whole row) and returns that slice's logits and mean loss,
+        every position global (RoPE, causal and document masks; KDA's state and short
+        convolution continue across the boundaries: :mod:`k3_model.context_parallel`).
+        The mean of the N slice losses is the one-process loss; summing (or averaging
+        with the loss averaged) the parameter gradients over the group gives its
+        gradients. A runtime setting like :meth:`set_balancer_gather`, not in the state
+        dict or the config; a group of one rank is the same as None. Decoding
+        (``forward_cached``, ``generate``) ignores it."""
+        cp = None if group is None else ContextParallel(group)
+        self._context_parallel = None if cp is None or cp.size == 1 else cp
+        for module in self.modules():
+            if isinstance(module, KimiDeltaAttention | MLAttention | GQAttention):
+                module.context_parallel = self._context_parallel
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """The context-parallel group this model runs under (None: off)."""
+        return self._context_parallel
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` (:func:`k3_model.flops_per_token`), for
