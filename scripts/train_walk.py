@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 COMMAND = "k3_trainer.cli.train"
 """The walk starts when the argument parser hands the parsed options to this module's
 ``run`` (flag generation, a table walk, is left out)."""
@@ -37,7 +36,7 @@ def walk(run_dir: Path) -> list[str]:
     calls: list[str] = []
     started = False
 
-    def profile(frame, event, arg):  # noqa: ANN001
+    def profile(frame, event, arg):
         nonlocal started
         if event != "call":
             return

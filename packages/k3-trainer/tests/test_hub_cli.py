@@ -12,12 +12,10 @@ from trainer_helpers import cli_run, small_toml
 
 from k3_model.hub import load_pretrained
 from k3_trainer.cli import main
-from k3_trainer.cli.build import build_trainer
-from k3_trainer.cli.hub import byte_tokenizer_json, folder_codec, folder_spec
-from k3_trainer.cli.options import TrainCommand
-from k3_trainer.cli.resolve import resolve
 from k3_trainer.config import ConfigError
 from k3_trainer.data import BytesCodec, HFCodec
+from k3_trainer.hub import byte_tokenizer_json, folder_codec, folder_spec
+from k3_trainer.session import TrainRequest, build_trainer, resolve
 
 # eval --model reads the default recipe's batch shape (16 × min(128, max_seq_len)): the run
 # uses the same, so both evaluations measure the same tokens.
@@ -100,9 +98,15 @@ def test_export_refuses_to_replace_a_folder_unless_told(run, capsys):
 
 
 def test_init_from_starts_a_fresh_run_from_the_folders_weights(run, data_dir, tmp_path):
-    resolved = resolve(TrainCommand(tmp_path / "cont", data=[str(data_dir)], init_from=run / "out",
-                                    train_fields={"seq_len": 16, "batch_size": 2},
-                                    model_fields={"kda_chunk_size": 16}))
+    resolved = resolve(
+        TrainRequest(
+            tmp_path / "cont",
+            data=data_dir,
+            init_from=run / "out",
+            train_fields={"seq_len": 16, "batch_size": 2},
+            model_fields={"kda_chunk_size": 16},
+        )
+    )
     assert resolved.init_from == run / "out" and resolved.resume_from is None
     assert resolved.model_config.kda_chunk_size == 16
     trainer = build_trainer(resolved, torch.device("cpu"), None, None)
@@ -180,7 +184,7 @@ def test_a_folders_eos_is_its_end_of_document_whatever_its_name(tmp_path):
     """A hub tokenizer's end-of-document token need not carry a name k3-train knows."""
     import tokenizers as tk
 
-    from k3_trainer.cli.hub import folder_codec
+    from k3_trainer.hub import folder_codec
     from k3_trainer.models import get_model_spec
 
     tokenizer = tk.Tokenizer(tk.models.BPE(vocab={"a": 0, "b": 1, "[SEP]": 2}, merges=[]))

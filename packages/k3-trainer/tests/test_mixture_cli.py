@@ -209,10 +209,10 @@ def test_hints_follow_the_kind_of_refusal_not_its_wording(
 
 def test_the_runtime_hint_follows_the_refused_section_not_the_wording(tmp_path):
     import k3_checkpoint
-    from k3_trainer.cli.options import TrainCommand
     from k3_trainer.cli.train import _with_runtime_hint
+    from k3_trainer.session import TrainRequest
 
-    command = TrainCommand(run_dir=tmp_path)
+    command = TrainRequest(run_dir=tmp_path)
     runtime = k3_checkpoint.IncompatibleCheckpoint(
         "the machine is not the one it was", sections=("runtime",),
         paths=("runtime.num_threads",), path=tmp_path / "k3.ckpt")

@@ -148,15 +148,23 @@ class _Tracker(Callback):
 
 
 def test_a_users_callback_joins_a_commands_run_in_one_place(data_dir, tmp_path):
-    """The plan the command resolves holds its callbacks: a tracker is one more."""
-    from k3_trainer.cli.options import TrainCommand
-    from k3_trainer.cli.resolve import resolve
-    from k3_trainer.cli.train import execute
+    """The plan a request resolves holds its callbacks: a tracker is one more."""
+    from k3_trainer.session import TrainRequest, execute, resolve
 
     tracker = _Tracker()
-    plan = resolve(TrainCommand(tmp_path / "run", data=[str(data_dir)], train_fields={
-        "batch_size": 2, "seq_len": 16, "eval_batches": 1, "max_steps": 3,
-        "log_interval": 1}))
+    plan = resolve(
+        TrainRequest(
+            tmp_path / "run",
+            data=data_dir,
+            train_fields={
+                "batch_size": 2,
+                "seq_len": 16,
+                "eval_batches": 1,
+                "max_steps": 3,
+                "log_interval": 1,
+            },
+        )
+    )
     plan = dataclasses.replace(plan, callbacks=(*plan.callbacks, tracker))
     assert execute(plan, torch.device("cpu"), None) == 0
     assert tracker.steps == [1, 2, 3]

@@ -13,7 +13,7 @@ import pytest
 from test_mixture_cli import RECIPE, _run  # the wsd recipe: decay_steps 6, decay_fraction 0.5
 
 from k3_trainer import TrainConfig, learning_rate_at_step
-from k3_trainer.cli.resolve import phase_lr_warning
+from k3_trainer.schedule import phase_lr_warning
 
 JUMP = "jumps the learning rate"
 

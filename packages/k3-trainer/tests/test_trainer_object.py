@@ -248,7 +248,8 @@ def _parts(config, data_dir, seed=None):
 def test_eval_and_sample_build_no_optimizer(data_dir, tmp_path, monkeypatch, capsys):
     from trainer_helpers import small_toml
 
-    from k3_trainer.cli import build, main
+    from k3_trainer.cli import main
+    from k3_trainer.session import build
 
     (tmp_path / "c.toml").write_text(small_toml(train=dict(
         batch_size=2, seq_len=16, eval_batches=1, warmup_steps=1, decay_steps=2)))

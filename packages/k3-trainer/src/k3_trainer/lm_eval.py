@@ -21,8 +21,8 @@ split at the context's length).
 - ``generate_until``: the model's stateful ``generate``, cut at the first stop string.
 
 lm-eval (``pip install lm-eval==0.4.13``) is an optional extra of k3-trainer, never a
-dependency of the core packages. Like the command line, it opens run directories and hub
-folders, so it sits beside :mod:`k3_trainer.cli`, above the library.
+dependency of the core packages. It opens run directories and hub folders through
+:mod:`k3_trainer.session`, as the commands do.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("k3_trainer.lm_eval needs lm-evaluation-harness: "
                       "pip install 'k3-trainer[lm-eval]' (lm-eval==0.4.13)") from exc
 
-from .cli.build import open_model, parse_device
 from .config import ConfigError
 from .data import Codec, document_start
 from .record import RUN_RECORD
+from .session import open_model, parse_device
 from .tasks.scoring import encode_choice, score_pairs
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..data import DataError
     from ..interrupt import TrainingInterrupted
-    from .resolve import RunError
+    from ..session import RunError
     from .threads import set_default_threads
 
     who = prog_name()

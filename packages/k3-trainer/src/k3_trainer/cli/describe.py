@@ -6,9 +6,8 @@ import k3_checkpoint
 
 from ..checkpoint.files import checkpoint_file
 from ..checkpoint.sharded import describe_sharded, is_sharded
-from .build import checkpoint_at
+from ..session import RunError, checkpoint_at
 from .options import InspectCommand
-from .resolve import RunError
 
 
 def run(command: InspectCommand, notes: tuple[str, ...] = ()) -> int:

@@ -13,8 +13,8 @@ from ..config import ConfigError
 from ..data import document_boundary, document_start
 from ..data.mixture import Source
 from ..evaluation import evaluate_split
+from ..session import open_model, parse_device, pretrained, restore
 from ..tasks import DownstreamTasks, parse_tasks, summary
-from .build import open_model, parse_device, pretrained, restore
 from .options import EvalCommand
 from .sources import command_line_data
 

@@ -3,8 +3,8 @@ tokenizer, written by the run's model spec's hub format."""
 
 from __future__ import annotations
 
-from .build import parse_device, restore
-from .hub import export_model
+from ..hub import export_model
+from ..session import parse_device, restore
 from .options import ExportCommand
 
 

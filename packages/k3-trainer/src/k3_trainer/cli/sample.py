@@ -7,7 +7,7 @@ import sys
 from ..config import ConfigError
 from ..data import Codec
 from ..sample import Sampling, TextStream, context_room, sample_text
-from .build import open_model, parse_device
+from ..session import open_model, parse_device
 from .options import SampleCommand
 
 

@@ -1,185 +1,77 @@
-"""``k3-train train``: resolve a plan (:mod:`.resolve`), build the trainer from it
-(:mod:`.build`), then train; ``--parallel`` ddp/fsdp joins torchrun's process group
-first."""
+"""``k3-train train``: the flags parsed into a :class:`~k3_trainer.session.TrainRequest`,
+the session run by the library (:func:`k3_trainer.session.train`), and a refused resume
+explained in command-line terms (how to relaunch, which flag to pass)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import k3_checkpoint
 
-from ..callbacks import MetricsLog, Report
-from ..callbacks.downstream import DownstreamEvaluator
-from ..checkpoint import HISTORY, CheckpointHistory, run_history
+from ..checkpoint import HISTORY, CheckpointHistory
 from ..checkpoint.compatibility import PHASE_MAY_CHANGE
-from ..config import ConfigError
-from ..data import document_start, load_codec
-from ..data.loader import DataMismatch, manifest_digest, read_manifest
-from ..distributed import Parallel, init_parallel, shutdown
-from ..interrupt import StopOnSignal
-from ..observe.metrics import mark_superseded
-from ..precision import validate_precision
-from ..record import (
-    METRICS,
-    Branch,
-    DataParallel,
-    Phase,
-    RecordedData,
-    RecordedSource,
-    RunRecord,
-    Session,
-)
-from ..schedule import horizon_notes
-from ..state import TrainState
-from ..tasks import DownstreamTasks, parse_tasks
-from ..trainer import Trainer
-from .build import build_trainer, max_seq_len_of, parse_device
+from ..data.loader import DataMismatch
+from ..session import Plan, RunError, TrainRequest, read_record
+from ..session import train as train_session
+from .launch import prog_name
 from .options import TrainCommand
-from .resolve import Plan, RunError, phase_lr_warning, read_record, resolve
+from .sources import command_line_data
 from .threads import THREADS_ENV
-
-ABANDONED = ("k3-train: interrupted again: stopping now, the save in progress is abandoned; "
-             "the previous checkpoint is intact (continue with --resume)")
 
 
 def run(command: TrainCommand, notes: tuple[str, ...] = ()) -> int:
-    """The session: resolved on every rank, executed, the process group left cleanly."""
-    parallel, device = init_parallel(command.parallel, parse_device(command.device))
-    clean = False
-    try:
-        status = execute(resolve(command, notes), device, parallel)
-        clean = True
-        return status
-    finally:
-        shutdown(parallel, clean=clean)
+    """Train as the flags say; lines go to stderr (progress) and stdout (the outcome)."""
+    who = prog_name()
+    return train_session(
+        request_of(command),
+        notes,
+        say=lambda line: print(f"{who}: {line}", file=sys.stderr),
+        result=lambda line: print(f"{who}: {line}"),
+        explain=explain,
+    )
 
 
-def execute(plan: Plan, device: torch.device, parallel: Parallel | None) -> int:
-    """Carry out ``plan``: check data, model and checkpoint before writing anything into
-    the run directory, then train with the plan's callbacks (rank 0 alone writes)."""
-    main = parallel is None or parallel.is_main
-    command, config = plan.command, plan.config
-    run_dir = command.run_dir
-    validate_precision(config.precision, device)
-    history = run_history(run_dir, config.keep_last, config.keep_every)
-    trainer = build_trainer(plan, device, parallel, history)
-    runtime_changes: dict[str, Any] = {}
-    resumed_from: Path | None = None
-    if plan.resume_from is not None:
-        try:
-            resumed = trainer.resume(plan.resume_from,
-                                     allow_runtime_change=command.allow_runtime_change,
-                                     new_phase=plan.phase is not None)
-        except k3_checkpoint.CheckpointError as error:
-            hinted = _with_data_hint(_with_runtime_hint(error, command), plan)
-            raise _with_older_hint(hinted, plan) from error
-        runtime_changes, resumed_from = resumed.runtime_changes, resumed.path
-        if trainer.state.step >= config.max_steps and not plan.phase_new and not plan.branch:
-            # Success for a supervisor that restarts until the run is done.
-            print(f"k3-train: run already complete at step {trainer.state.step}; nothing to "
-                  "do (raise --max-steps to extend it)")
-            return 0
-    downstream = _downstream(plan, trainer)
-    if downstream is not None:  # on every rank: each scores its share
-        trainer.callbacks.extend((downstream,))
-    if parallel is not None:
-        parallel.barrier()  # every rank has checked the run directory before rank 0 writes
-    if not main:
-        with StopOnSignal(trainer):
-            trainer.fit()  # the same training, writing nothing but its share of checkpoints
-        return 0
-    phase = (Phase(plan.phase, trainer.state.step, plan.phase_changes)
-             if plan.phase_new and plan.phase is not None else None)
-    branch: Branch | None = None
-    try:  # the session's first writes: a run directory it cannot write is the user's to fix
-        if plan.resume_from is None:
-            (run_dir / METRICS).unlink(missing_ok=True)  # a restart's stale events, if any
-        else:  # steps past the checkpoint are trained again (or, on a branch, otherwise)
-            superseded = mark_superseded(run_dir / METRICS, trainer.state.step)
-            if plan.branch and resumed_from is not None:
-                branch = Branch(str(resumed_from), trainer.state.step, superseded)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        RunRecord.extending(run_dir).with_session(
-            Session.now(
-                str(device),
-                resumed_from_step=(trainer.state.step if plan.resume_from is not None
-                                   else None),
-                resumed_from=None if resumed_from is None else str(resumed_from),
-                data_parallel=None if parallel is None else DataParallel.from_json(
-                    parallel.describe()),
-                init_from=None if plan.init_from is None else str(plan.init_from.resolve())),
-            train_config=config.to_dict(), model=plan.spec.name,
-            model_config=plan.spec.config_dict(plan.model_config), preset=plan.preset,
-            data=RecordedData(str(plan.data_dir.resolve()),
-                              manifest_digest(read_manifest(plan.data_dir)), _sources(plan)),
-            phase=phase, branch=branch).write(run_dir)
-        metrics = MetricsLog(run_dir / METRICS)
-    except PermissionError as error:
-        raise RunError(f"--run-dir {run_dir} is not writable ({error.strerror}: "
-                       f"{error.filename}); fix its permissions or choose another --run-dir"
-                       ) from None
-    # Said once every check has passed and the session is really going to train.
-    if plan.resume_from is not None:  # --resume and --resume-from: where training goes on
-        print(f"k3-train: resumed from step {trainer.state.step} "
-              f"({trainer.state.tokens_seen:,} tokens seen)", file=sys.stderr)
-    for note in (*plan.notes,
-                 *horizon_notes(config, horizon_unset=plan.horizon_unset)):
-        print(f"k3-train: note: {note}", file=sys.stderr)
-    if phase is not None and plan.phase_before is not None:
-        jump = phase_lr_warning(phase.name, plan.phase_before, config, trainer.state.step)
-        if jump is not None:  # a warning, not a refusal: the phase starts all the same
-            print(f"k3-train: warning: {jump}", file=sys.stderr)
-    with metrics:
-        trainer.callbacks.extend((metrics, *plan.callbacks))
-        if runtime_changes:
-            _report_runtime_changes(metrics, trainer.state, runtime_changes)
-        if branch is not None:
-            metrics.write("branch", **branch.to_json())
-        if phase is not None:
-            metrics.write("phase_start", **phase.to_json())
-        with StopOnSignal(trainer, last_words=ABANDONED):
-            trainer.fit()
-        _summary(metrics, run_dir)
-    report = next((c for c in plan.callbacks if isinstance(c, Report)), None)
-    if report is not None and report.written is not None:
-        print(f"k3-train: report in {report.written}")
-    return 0
+def request_of(command: TrainCommand) -> TrainRequest:
+    """The library's request for the parsed flags (``--data`` strings made sources)."""
+    data = None
+    if command.data:
+        folder, sources = command_line_data(command.data)
+        data = sources or folder
+    return TrainRequest(
+        command.run_dir,
+        data,
+        command.config,
+        command.model,
+        command.init_from,
+        command.resume,
+        command.resume_from,
+        command.preset,
+        command.device,
+        command.report,
+        command.tensorboard,
+        command.profile_start,
+        command.profile_steps,
+        command.phase,
+        command.allow_runtime_change,
+        command.parallel,
+        dict(command.train_fields),
+        dict(command.model_fields),
+    )
 
 
-def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:
-    """The in-loop downstream evaluation the config asks for (its tasks read and checked
-    against the model's vocabulary now, before anything is written)."""
-    config = plan.config
-    if config.downstream is None:
-        return None
-    if config.expert_parallel > 1:
-        raise ConfigError("--downstream scores every rank's share with all the experts; "
-                          "with --expert-parallel > 1 score the checkpoints afterwards "
-                          "(k3-train eval --tasks)")
-    vocab = trainer.contract.vocab_size
-    if vocab is None:
-        raise ConfigError("--downstream: the model declares no vocab_size")
-    data_dir = plan.sources[0].path if plan.sources else plan.data_dir
-    codec = load_codec(data_dir, read_manifest(data_dir))
-    tasks = DownstreamTasks(parse_tasks(config.downstream), codec,
-                            limit=config.downstream_limit, bos=document_start(codec))
-    return DownstreamEvaluator(tasks, config.downstream_interval or config.eval_interval,
-                               vocab_size=vocab,
-                               max_len=max_seq_len_of(plan.model_config, config))
+def explain(error: k3_checkpoint.CheckpointError, plan: Plan) -> k3_checkpoint.CheckpointError:
+    """A refused resume's error with the way on: the run's own launch or data, a new phase,
+    or the newest older checkpoint."""
+    hinted = _with_data_hint(_with_runtime_hint(error, plan.request), plan)
+    return _with_older_hint(hinted, plan)
 
 
-def _sources(plan: Plan) -> tuple[RecordedSource, ...]:
-    """The record of a mixture: each source's name, folder, weight and data digest."""
-    return tuple(RecordedSource(s.name, str(s.path.resolve()), s.weight,
-                                manifest_digest(read_manifest(s.path))) for s in plan.sources)
-
-
-def _with_runtime_hint(error: k3_checkpoint.CheckpointError,
-                       command: TrainCommand) -> k3_checkpoint.CheckpointError:
+def _with_runtime_hint(
+    error: k3_checkpoint.CheckpointError, command: TrainRequest
+) -> k3_checkpoint.CheckpointError:
     """``error``, saying in command-line terms how to continue when what it refused is only
     the runtime or the data-parallel layout: relaunch as the run last ran (its thread
     count, its torchrun layout, from run.json), or opt in to the change."""
@@ -240,10 +132,13 @@ def _with_older_hint(error: k3_checkpoint.CheckpointError,
     """``error`` of a ``--resume`` from the latest checkpoint, naming the newest older one
     and the command that continues from it: a damaged latest checkpoint need not end the
     run. A refusal of the configuration is left alone (an older checkpoint has the same)."""
-    if plan.command.resume_from is not None or _other_data(error) \
-            or isinstance(error, k3_checkpoint.IncompatibleCheckpoint):
+    if (
+        plan.request.resume_from is not None
+        or _other_data(error)
+        or isinstance(error, k3_checkpoint.IncompatibleCheckpoint)
+    ):
         return error
-    run_dir = plan.command.run_dir
+    run_dir = plan.request.run_dir
     history = CheckpointHistory(run_dir / HISTORY)
     latest = history.latest()
     older = [e for e in history.entries() if latest is None or e.path != latest]
@@ -255,35 +150,5 @@ def _with_older_hint(error: k3_checkpoint.CheckpointError,
     newest = older[-1]
     return error.with_hint(
         f"the newest older checkpoint is {newest.path} (step {newest.step}): continue from "
-        f"it with `k3-train train --run-dir {run_dir} --resume-from {newest.path}`")
-
-
-def _report_runtime_changes(log: MetricsLog, state: TrainState,
-                            changes: dict[str, Any]) -> None:
-    """``--allow-runtime-change`` accepted another runtime: say so, once, in both places."""
-    named = {key.removeprefix("runtime."): {"saved": saved, "current": current}
-             for key, (saved, current) in changes.items()}
-    log.write("runtime_changed", step=state.step, changes=named)
-    listed = ", ".join(f"{k} {v['saved']} → {v['current']}" for k, v in named.items())
-    print(f"k3-train: warning: resuming under another runtime ({listed}); the run continues "
-          "correctly but is no longer bitwise-identical to an uninterrupted one",
-          file=sys.stderr)
-
-
-def _summary(log: MetricsLog, run_dir: Path) -> None:
-    train_events = [e for e in log.events if e["event"] == "train"]
-    evals = [e for e in log.events if e["event"] == "eval" and "val_loss" in e]
-    end: dict[str, Any] = next(
-        (e for e in reversed(log.events) if e["event"] == "session_end"), {})
-    parts = [f"step {end.get('step')}"]
-    if train_events:
-        parts.append(f"loss {train_events[0]['loss']:.3f} → {train_events[-1]['loss']:.3f}")
-    if evals:
-        bpb = evals[-1].get("val_bpb")
-        parts.append(f"val_loss {evals[-1]['val_loss']:.3f}"
-                     + (f", val_bpb {bpb:.3f}" if isinstance(bpb, float) else "")
-                     + f" ({evals[-1].get('val_tokens', 0):,} validation tokens)")
-    rates = [e["tokens_per_s"] for e in train_events if e.get("tokens_per_s")]
-    if rates:
-        parts.append(f"{sum(rates) / len(rates):,.0f} tokens/s (active training)")
-    print(f"k3-train: {', '.join(parts)}; run in {run_dir}")
+        f"it with `k3-train train --run-dir {run_dir} --resume-from {newest.path}`"
+    )

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from ..data import Codec, document_start
-from ..data.tokenizer import (
+from .config import ConfigError
+from .data import Codec, document_start
+from .data.tokenizer import (
     BYTES_EOD,
     TOKENIZER_FILE,
     BytesCodec,
@@ -29,7 +29,7 @@ from ..data.tokenizer import (
     byte_decoder,
     require_tokenizers,
 )
-from ..models import HubFolderError, ModelSpec, spec_for_model_type
+from .models import HubFolderError, ModelSpec, spec_for_model_type
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 BYTE_EOD_NAME = "<|endoftext|>"
