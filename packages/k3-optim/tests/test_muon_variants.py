@@ -66,8 +66,8 @@ def test_normuon_keeps_each_matrix_at_muons_size_and_equalizes_its_rows():
     O = torch.randn(24, 16, dtype=torch.float64, generator=gen)
     O[:6] *= 10.0  # one block whose rows are all larger, one row larger inside another
     O[9] *= 5.0
-    out = normuon_normalize([O], [torch.zeros(24, dtype=torch.float64)], [RowBlocks(0, 6, 4)],
-                            beta2=0.0, eps=0.0, flatten=False)[0]
+    out = normuon_normalize([O.clone()], [torch.zeros(24, dtype=torch.float64)],
+                            [RowBlocks(0, 6, 4)], beta2=0.0, eps=0.0, flatten=False)[0]
     blocks, before = out.reshape(4, 6, 16), O.reshape(4, 6, 16)
     torch.testing.assert_close(blocks.norm(dim=(1, 2)), before.norm(dim=(1, 2)))
     rms = blocks.square().mean(dim=2).sqrt()
@@ -86,9 +86,9 @@ def test_rows_split_over_pieces_with_summed_statistics_equal_the_whole():
     normalized on its own rows, the per-matrix sums added across the pieces."""
     gen = torch.Generator().manual_seed(1)
     O = torch.randn(12, 8, dtype=torch.float64, generator=gen)
-    whole = normuon_normalize([O], [torch.zeros(12, dtype=torch.float64)],
+    whole = normuon_normalize([O.clone()], [torch.zeros(12, dtype=torch.float64)],
                               [RowBlocks(0, 4, 3)], beta2=0.5, eps=1e-8, flatten=False)[0]
-    pieces, state = [O[:7], O[7:]], [torch.zeros(7, dtype=torch.float64),
+    pieces, state = [O[:7].clone(), O[7:].clone()], [torch.zeros(7, dtype=torch.float64),
                                      torch.zeros(5, dtype=torch.float64)]
     shared: list[torch.Tensor] = []
 

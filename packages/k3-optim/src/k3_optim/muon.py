@@ -91,34 +91,35 @@ def orthogonalize(
 ) -> list[torch.Tensor]:
     """Newton–Schulz on full updates: one batched call per shape bucket.
 
-    Matrices with the same wide-orientation shape (tall ones transposed: NS would
-    transpose them anyway), device and dtype share a call, so ``ns_method="auto"``
-    decides once per bucket. Each update is normalized straight into the bucket's
-    stack in the iteration dtype (no separate concatenation). Returns new tensors
-    shaped and typed like ``updates``.
+    Matrices with the same shape (orientation included: a tall stack is iterated as
+    ``X ← X·h(Xᵀ X)``, never transposed), device and dtype share a call, so
+    ``ns_method="auto"`` decides once per bucket. Each update is normalized straight
+    into the bucket's stack in the iteration dtype (no separate concatenation). Returns
+    tensors shaped and typed like ``updates``, contiguous, owned by the caller (a view
+    into the bucket's result when no conversion is needed).
     """
     per_step, norm_factor = resolve_coefficients(ns_coefficients, ns_steps)
-    buckets: dict[tuple[int, int, torch.device, torch.dtype], list[int]] = defaultdict(list)
+    buckets: dict[tuple[int, int, bool, torch.device, torch.dtype],
+                  list[int]] = defaultdict(list)
     for i, (_, rows, cols) in enumerate(views):
-        key = (min(rows, cols), max(rows, cols), updates[i].device, updates[i].dtype)
+        key = (min(rows, cols), max(rows, cols), rows > cols, updates[i].device,
+               updates[i].dtype)
         buckets[key].append(i)
 
     result: list[torch.Tensor | None] = [None] * len(updates)
-    for (short, long, device, _), indices in buckets.items():
+    for (short, long, tall, device, _), indices in buckets.items():
         work_dtype = resolve_ns_dtype(ns_dtype, device)
-        stack = torch.empty(sum(views[i][0] for i in indices), short, long, dtype=work_dtype,
+        shape = (long, short) if tall else (short, long)
+        stack = torch.empty(sum(views[i][0] for i in indices), *shape, dtype=work_dtype,
                             device=device)
         start = 0
         for i in indices:
-            batch, rows, cols = views[i]
-            mat = updates[i].reshape(batch, rows, cols)
-            normalize_into(stack[start:start + batch], mat if rows <= cols else mat.mT,
+            batch = views[i][0]
+            normalize_into(stack[start:start + batch], updates[i].reshape(batch, *shape),
                            norm_factor=norm_factor, eps=ns_eps)
             start += batch
         ortho = iterate(stack, per_step, method=resolve_ns_method(ns_method, short, long))
         for i, piece in zip(indices, torch.split(ortho, [views[i][0] for i in indices])):
-            rows, cols = views[i][1:]
-            piece = piece if rows <= cols else piece.mT
             result[i] = piece.to(updates[i].dtype).reshape(updates[i].shape)
     return result  # type: ignore[return-value]
 

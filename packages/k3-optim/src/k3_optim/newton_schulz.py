@@ -160,12 +160,12 @@ def newton_schulz(
     """Approximately orthogonalize ``G`` (shape ``(..., m, n)``) with the quintic iteration.
 
     Each matrix in the batch is normalized by its own Frobenius norm and iterated in
-    ``dtype`` on the wide orientation (transposed when ``m > n``, so ``X Xᵀ`` is the
-    smaller Gram matrix). ``method`` is ``"standard"`` (iterate on ``X``), ``"gram"``
-    (iterate on ``X Xᵀ``: the same polynomial, cheaper for rectangular matrices) or
-    ``"auto"`` (Gram from an aspect ratio of :data:`GRAM_MIN_ASPECT`). Returns a new
-    tensor of ``G``'s shape and dtype; ``G`` is never modified, even when it already has
-    the iteration dtype.
+    ``dtype`` on its smaller Gram matrix (``X Xᵀ`` for a wide matrix, ``Xᵀ X`` for a tall
+    one, which is iterated as ``X ← X·h(Xᵀ X)``: no transposed copy). ``method`` is
+    ``"standard"`` (iterate on ``X``), ``"gram"`` (iterate on the Gram matrix: the same
+    polynomial, cheaper for rectangular matrices) or ``"auto"`` (Gram from an aspect
+    ratio of :data:`GRAM_MIN_ASPECT`). Returns a new tensor of ``G``'s shape and dtype;
+    ``G`` is never modified, even when it already has the iteration dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(G.shape)}")
@@ -175,15 +175,10 @@ def newton_schulz(
     work_dtype = resolve_ns_dtype(dtype, G.device)
     m, n = G.shape[-2], G.shape[-1]
     mats = G.reshape(-1, m, n)
-    transposed = m > n
-    if transposed:
-        mats = mats.mT
     X = torch.empty(mats.shape, dtype=work_dtype, device=G.device)
     normalize_into(X, mats, norm_factor=norm_factor, eps=eps)  # never writes into G
     X = iterate(X, per_step, method=resolve_ns_method(method, m, n))
-    if transposed:
-        X = X.mT
-    return X.to(G.dtype).contiguous().reshape(G.shape)
+    return X.to(G.dtype).reshape(G.shape)
 
 
 def normalize_into(out: torch.Tensor, mats: torch.Tensor, *, norm_factor: float,
@@ -199,24 +194,46 @@ def normalize_into(out: torch.Tensor, mats: torch.Tensor, *, norm_factor: float,
     torch.div(mats, norm * norm_factor + eps, out=out)
 
 
+class _Side:
+    """Products on the side of ``X`` that keeps the Gram matrix small: a wide ``X``
+    (``m ≤ n``) is iterated as ``X ← h(X Xᵀ)·X``, a tall one as ``X ← X·h(Xᵀ X)`` (the same
+    iteration on ``Xᵀ``, without transposing anything)."""
+
+    def __init__(self, X: torch.Tensor) -> None:
+        self.tall = X.shape[-2] > X.shape[-1]
+
+    def gram(self, X: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(X.mT, X) if self.tall else torch.bmm(X, X.mT)
+
+    def apply(self, M: torch.Tensor, X: torch.Tensor, *, beta: float | None = None) -> torch.Tensor:
+        """``M·X`` (tall: ``X·M``), or ``beta·X + M·X`` with ``a·X`` accumulated with the
+        product before one rounding."""
+        if beta is None:
+            return torch.bmm(X, M) if self.tall else torch.bmm(M, X)
+        return torch.baddbmm(X, X, M, beta=beta) if self.tall else torch.baddbmm(X, M, X, beta=beta)
+
+
 def iterate(X: torch.Tensor, per_step: Sequence[Coefficients], *, method: str) -> torch.Tensor:
-    """Run the iteration on a normalized ``(batch, m, n)`` stack with ``m ≤ n``, in its
+    """Run the iteration on a normalized ``(batch, m, n)`` stack (wide or tall), in its
     dtype; ``method`` is ``"standard"`` or ``"gram"``. ``X`` is only read."""
-    return _gram_iteration(X, per_step) if method == "gram" else _standard_iteration(X, per_step)
+    side = _Side(X)
+    return (_gram_iteration if method == "gram" else _standard_iteration)(X, per_step, side)
 
 
-def _standard_iteration(X: torch.Tensor, per_step: Sequence[Coefficients]) -> torch.Tensor:
+def _standard_iteration(X: torch.Tensor, per_step: Sequence[Coefficients],
+                        side: _Side) -> torch.Tensor:
     """``X ← a·X + (b·A + c·A²)·X`` with ``A = X Xᵀ``. ``a·X`` is added inside the last
-    product (accumulated in fp32 with it before one rounding), not folded into the
-    ``m × m`` factor, whose diagonal would be rounded in bf16 (twice the error)."""
+    product (accumulated in fp32 with it before one rounding), not folded into the small
+    factor, whose diagonal would be rounded in bf16 (twice the error)."""
     for a, b, c in per_step:
-        A = torch.bmm(X, X.mT)
+        A = side.gram(X)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A·A
-        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a·X + B·X
+        X = side.apply(B, X, beta=a)  # a·X + B·X
     return X
 
 
-def _gram_iteration(X: torch.Tensor, per_step: Sequence[Coefficients]) -> torch.Tensor:
+def _gram_iteration(X: torch.Tensor, per_step: Sequence[Coefficients],
+                    side: _Side) -> torch.Tensor:
     """The same polynomial as :func:`_standard_iteration`, iterated on ``R = X Xᵀ``.
 
     Per step ``H = a·I + b·R + c·R²``, ``Q ← H·Q`` and (unless a restart or the end
@@ -224,12 +241,12 @@ def _gram_iteration(X: torch.Tensor, per_step: Sequence[Coefficients]) -> torch.
     (``X ← Q·X``, ``R ← X Xᵀ``) and at the end (``Q·X``).
     """
     restarts = gram_restarts(len(per_step))
-    R = torch.bmm(X, X.mT)
+    R = side.gram(X)
     Q: torch.Tensor | None = None
     for i, (a, b, c) in enumerate(per_step):
         if i in restarts and Q is not None:
-            X = torch.bmm(Q, X)
-            R = torch.bmm(X, X.mT)
+            X = side.apply(Q, X)
+            R = side.gram(X)
             Q = None
         H = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R·R
         H.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -237,4 +254,4 @@ def _gram_iteration(X: torch.Tensor, per_step: Sequence[Coefficients]) -> torch.
         if i + 1 < len(per_step) and i + 1 not in restarts:
             R = torch.bmm(H, torch.bmm(R, H))
     assert Q is not None  # at least one step (resolve_coefficients)
-    return torch.bmm(Q, X)
+    return side.apply(Q, X)

@@ -59,23 +59,24 @@ def normuon_normalize(
     flatten: bool,
     all_reduce: Callable[[torch.Tensor], object] | None = None,
 ) -> list[torch.Tensor]:
-    """NorMuon on local orthogonalized ``updates``; ``second_moments`` (this rank's rows
-    of each parameter's ``v``) are updated in place. Returns new tensors shaped and typed
-    like ``updates``. ``all_reduce`` sums a flat tensor over the ranks that share the
+    """NorMuon on local orthogonalized ``updates`` (contiguous, the caller's to change),
+    in place, as are ``second_moments`` (this rank's rows of each parameter's ``v``);
+    returns the updates. ``all_reduce`` sums a flat tensor over the ranks that share the
     ``sharded`` parameters (needed only when some are)."""
     scaled, row_sums, block_index = [], [], []
     for update, v, where in zip(updates, second_moments, blocks):
+        rows = row_view(update, flatten=flatten)  # a view: the updates are contiguous
         # In at least fp32 whatever the parameters' dtype; v is kept in theirs, as torch's
         # optimizers keep their state (load_state_dict casts state to it).
-        rows = row_view(update, flatten=flatten).to(torch.promote_types(v.dtype, torch.float32))
-        squares = rows.square().sum(dim=-1)  # per row: Σ_j O_ij²
+        acc = torch.promote_types(v.dtype, torch.float32)
+        squares = torch.linalg.vector_norm(rows, dim=-1, dtype=acc).square()  # Σ_j O_ij²
         v_rows = v.view(-1)
         v_rows.lerp_((squares / rows.shape[-1]).to(v.dtype), 1.0 - beta2)
-        inverse = (v_rows.to(rows.dtype).sqrt() + eps).reciprocal()
+        inverse = (v_rows.to(acc).sqrt() + eps).reciprocal()
         scaled.append((rows, inverse))
         row_sums.append((squares, squares * inverse.square()))
-        block_index.append(torch.div(torch.arange(where.first_row, where.first_row + rows.shape[0],
-                                                  device=rows.device),
+        first = where.first_row
+        block_index.append(torch.div(torch.arange(first, first + rows.shape[0], device=rows.device),
                                      where.rows_per_block, rounding_mode="floor"))
     # Per matrix: Σ O² before and after the row division (rows of other ranks included).
     totals = []
@@ -94,12 +95,10 @@ def normuon_normalize(
             all_reduce(flat)
             for i, part in zip(indices, torch.split(flat, [totals[i].numel() for i in indices])):
                 totals[i] = part.view_as(totals[i])
-    result = []
-    for update, (rows, inverse), index, sums in zip(updates, scaled, block_index, totals):
+    for (rows, inverse), index, sums in zip(scaled, block_index, totals):
         before, after = sums
         # ‖O‖ / ‖O / (√v + ε)‖ per matrix; a zero matrix stays zero.
         tiny = torch.finfo(after.dtype).tiny
         rescale = torch.where(after > 0, before / after.clamp_min(tiny), 0.0).sqrt()
-        factor = inverse * rescale[index]
-        result.append((rows * factor[:, None]).to(update.dtype).view(update.shape))
-    return result
+        rows.mul_((inverse * rescale[index]).to(rows.dtype)[:, None])
+    return list(updates)
