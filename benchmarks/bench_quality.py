@@ -1,6 +1,6 @@
 """Does it train better? Equal-token quality comparisons of the recipe's choices.
 
-Run: ``hatch run bench:quality`` (about half an hour on 2 CPU cores; ``--quick`` is the CI smoke
+Run: ``hatch run bench:quality`` (about 50 minutes on 2 CPU cores; ``--quick`` is the CI smoke
 run). Every candidate trains the ``tiny`` preset's shape (or a variant of it) on one corpus
 prepared with a byte-level BPE trained on it (default: the built-in corpus; ``--data`` a
 folder of your own), for the same number of tokens, through ``k3_trainer.Trainer``. Each

@@ -248,6 +248,8 @@ def bench_floor(args: argparse.Namespace) -> dict[str, object]:
     cases["AdamW half (torch fused)"] = adamw.step
     whole = MuonAdamW(make_groups(spec), ns_dtype="bf16", fused=True, **HP)
     cases["the whole step: MuonAdamW(ns_dtype=bf16)"] = whole.step
+    torch_step = candidates(spec, variants=False)["torch.optim.Muon (bf16)"]
+    cases["the whole step: torch.optim.Muon (bf16) + fused AdamW"] = torch_step
     timings = interleaved(cases, repeats=1 if args.quick else 5, warmup=0 if args.quick else 1)
     rows, results = [], {}
     iteration = products = 0.0
@@ -260,10 +262,19 @@ def bench_floor(args: argparse.Namespace) -> dict[str, object]:
         results[label] = {"method": method, "iteration_s": it.median, "products_s": bare.median}
     rows.append(["all iterations", f"{iteration * 1e3:.1f}", f"{products * 1e3:.1f}",
                  f"{iteration / products:.2f}"])
-    for name in list(cases)[-4:]:
+    for name in list(cases)[-5:]:
         rows.append([name, f"{timings[name].median * 1e3:.1f}", "", ""])
         results[name] = timings[name].median
     results["products_s"], results["iterations_s"] = products, iteration
+    # The floor: the bare products of every bucket plus the AdamW half (fused), against
+    # torch's whole step in the same run.
+    floor = products + timings["AdamW half (torch fused)"].median
+    torch_s = timings["the whole step: torch.optim.Muon (bf16) + fused AdamW"].median
+    ours_s = timings["the whole step: MuonAdamW(ns_dtype=bf16)"].median
+    rows.append(["floor: bare products + AdamW half", f"{floor * 1e3:.1f}", "", ""])
+    rows.append(["floor × torch's step; MuonAdamW × torch's step", f"{floor / torch_s:.3f}",
+                 "", f"{ours_s / torch_s:.3f}"])
+    results["floor_over_torch"], results["ours_over_torch"] = floor / torch_s, ours_s / torch_s
     print_table("Where the bf16 step goes, `small` preset (medians; bare products: the same "
                 "bmm calls alone)", ["part", "ms", "bare products ms", "× bare"], rows)
     return results
