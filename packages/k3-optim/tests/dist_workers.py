@@ -35,7 +35,7 @@ class TinyNet(nn.Module):
         kw = dict(dtype=torch.float64)
         self.q = nn.Linear(4, 6, bias=False, **kw)  # 3 heads of 2 rows; ranks get 3 | 3
         self.up = nn.Linear(6, 5, **kw)  # 5 rows over 2 ranks: 3 | 2
-        self.tall = nn.Linear(5, 9, bias=False, **kw)  # 9 × 5: orthogonalized transposed
+        self.tall = nn.Linear(5, 9, bias=False, **kw)  # 9 × 5: iterated on its right side
         self.down = nn.Linear(9, 4, bias=False, **kw)
         self.experts = nn.Parameter(torch.randn(3, 4, 4, **kw) / 2)  # 3 experts: 2 | 1
         self.norm = nn.LayerNorm(4, **kw)
@@ -193,7 +193,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
         dist.destroy_process_group()
 
 
-EXPERTS = (4, 5, 3)  # (E, out, in): a tall stack, orthogonalized transposed
+EXPERTS = (4, 5, 3)  # (E, out, in): a tall stack, iterated on its right side
 
 
 def expert_grads(steps: int) -> list[torch.Tensor]:
