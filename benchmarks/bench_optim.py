@@ -1,9 +1,11 @@
-"""k3-optim benchmarks: MuonAdamW vs torch Muon + AdamW, NS per dtype/set, batching,
-foreach vs per-tensor elementwise work, distributed Muon vs every rank doing all NS.
+"""k3-optim benchmarks: the whole optimizer step against torch.optim.Muon with its gains
+attributed and its floor, Gram against standard Newton–Schulz (the ``auto`` threshold),
+NS per dtype/set, batching, foreach vs per-tensor elementwise work, distributed Muon vs
+every rank doing all NS.
 
-Run: ``hatch run bench:optim`` (add ``--quick`` for a smoke run, ``--json PATH`` to save).
-Every table compares candidates timed interleaved in one process (the distributed table:
-in each of 2 gloo ranks, reported by rank 0).
+Run: ``hatch run bench:optim`` (add ``--quick`` for a smoke run, ``--json PATH`` to save,
+``--only NAME`` for one table). Every table compares candidates timed interleaved in one
+process (the distributed table: in each of 2 gloo ranks, reported by rank 0).
 """
 
 from __future__ import annotations
@@ -21,22 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common import interleaved, print_table, write_json
-from k3_optim import MuonAdamW, matrix_view_shape, newton_schulz
+from k3_optim import GRAM_MIN_ASPECT, MuonAdamW, matrix_view_shape, newton_schulz
 from k3_optim.muon import muon_update
-
-# The `small` model preset's optimizer groups (k3_model.preset("small"), 54 M params):
-# (shape, count) per group, as K3Model.parameter_groups() routes them.
-SMALL_GROUPS: dict[str, tuple[bool, int | None, list[tuple[tuple[int, ...], int]]]] = {
-    "muon": (True, None, [
-        ((64, 384), 6), ((384, 64), 6), ((6, 384), 6), ((384, 384), 16), ((1024, 384), 2),
-        ((384, 1024), 1), ((16, 384), 7), ((192, 384), 7), ((16, 256, 192), 14),
-        ((16, 192, 256), 7), ((384, 192), 7), ((256, 384), 14), ((384, 256), 7),
-        ((128, 384), 2)]),
-    "muon_heads6": (True, 6, [((384, 384), 20), ((576, 96), 2)]),
-    "adamw": (False, None, [((32768, 384), 2), ((384, 1, 4), 18)]),
-    "adamw_no_decay": (False, None, [((384,), 55), ((6,), 6), ((64,), 6), ((192,), 7),
-                                     ((96,), 2)]),
-}
+from optim_step import SMALL_GROUPS, bench_floor, bench_step
 
 
 def small_like_groups(quick: bool, seed: int = 0) -> list[dict[str, object]]:
@@ -63,67 +52,41 @@ def small_like_groups(quick: bool, seed: int = 0) -> list[dict[str, object]]:
     return groups
 
 
-def gpt_like_params(d: int, layers: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The parameter set of a small GPT: 7 hidden matrices per layer, tied embedding, norms."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d), "final_norm.weight": (d,)}
-    for i in range(layers):
-        shapes |= {
-            f"l{i}.q": (d, d), f"l{i}.k": (d, d), f"l{i}.v": (d, d), f"l{i}.o": (d, d),
-            f"l{i}.gate": (4 * d, d), f"l{i}.up": (4 * d, d), f"l{i}.down": (d, 4 * d),
-            f"l{i}.attn_norm": (d,), f"l{i}.mlp_norm": (d,),
-        }
-    params = {}
-    for name, shape in shapes.items():
-        p = torch.randn(*shape, generator=gen).mul_(0.02).requires_grad_()
-        p.grad = torch.randn(*shape, generator=gen)
-        params[name] = p
-    return params
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
 
 
-def _split(params: dict[str, torch.Tensor]) -> tuple[list, list, list]:
-    hidden = [p for n, p in params.items() if p.ndim == 2 and not n.startswith("embed")]
-    table = [params["embed.weight"]]
-    vectors = [p for p in params.values() if p.ndim == 1]
-    return hidden, table, vectors
-
-
-def bench_step(args: argparse.Namespace) -> dict[str, object]:
-    d, layers = (128, 2) if args.quick else (256, 4)
-    hp = dict(lr=0.02, weight_decay=0.1)
-    torch_params, bf16_params, default_params = (gpt_like_params(d, layers, 8192) for _ in range(3))
-
-    hidden, table, vectors = _split(torch_params)
-    torch_muon = torch.optim.Muon(hidden, momentum=0.95, nesterov=True,
-                                  adjust_lr_fn="match_rms_adamw", **hp)
-    torch_adamw = torch.optim.AdamW(table + vectors, betas=(0.9, 0.95), foreach=True, **hp)
-
-    def ours(params: dict[str, torch.Tensor], ns_dtype: str) -> MuonAdamW:
-        hidden, table, vectors = _split(params)
-        return MuonAdamW([{"params": hidden, "use_muon": True},
-                          {"params": table, "use_muon": False},
-                          {"params": vectors, "use_muon": False, "weight_decay": 0.0}],
-
-                         ns_dtype=ns_dtype, foreach=True, **hp)
-
-    ours_bf16, ours_default = ours(bf16_params, "bf16"), ours(default_params, "auto")
-    timings = interleaved(
-        {
-            "torch Muon + AdamW(foreach) [NS bf16, forced]": lambda: (torch_muon.step(),
-                                                                      torch_adamw.step()),
-            "MuonAdamW ns_dtype=bf16 (matched)": ours_bf16.step,
-            "MuonAdamW default (auto → fp32 on CPU)": ours_default.step,
-        },
-        repeats=1 if args.quick else 3,
-        warmup=0 if args.quick else 1,
-    )
-    base = next(iter(timings.values()))
-    rows = [[t.name, f"{t.median * 1e3:.1f}", t.spread(), f"{t.median / base.median:.3f}"]
-            for t in timings.values()]
-    n_matrices = len(_split(torch_params)[0])
-    print_table(f"Optimizer step, GPT-like d={d}, {layers} layers ({n_matrices} hidden matrices)",
-                ["candidate", "median ms", "min–max ms", "× torch"], rows)
-    return {t.name: {"median_s": t.median, "seconds": t.seconds} for t in timings.values()}
+def bench_gram(args: argparse.Namespace) -> dict[str, object]:
+    """Gram against standard Newton–Schulz per aspect ratio: time ratio and agreement."""
+    sizes = [64] if args.quick else [128, 256, 512]
+    ratios = [2, 4] if args.quick else [1.5, 2, 2.5, 3, 4, 6]
+    rows, results = [], {}
+    for dtype in ["fp32", "bf16"]:
+        for m in sizes:
+            for r in ratios:
+                n = int(m * r)
+                batch = max(1, (1 << 21) // (m * n))  # about 2 M elements per call
+                G = torch.randn(batch, m, n, generator=torch.Generator().manual_seed(m + n))
+                cases = {meth: functools.partial(newton_schulz, G, dtype=dtype, method=meth)
+                         for meth in ("standard", "gram")}
+                t = interleaved(cases, repeats=2 if args.quick else 7, warmup=1)
+                ratio = min(t["gram"].seconds) / min(t["standard"].seconds)
+                exact = newton_schulz(G.double(), dtype="fp64")
+                errors = {meth: _rel(fn(), exact) for meth, fn in cases.items()}
+                rows.append([dtype, f"{batch} × {m}×{n}", f"{r:g}",
+                             f"{min(t['standard'].seconds) * 1e3:.2f}",
+                             f"{min(t['gram'].seconds) * 1e3:.2f}", f"{ratio:.2f}",
+                             f"{errors['standard']:.1e}", f"{errors['gram']:.1e}",
+                             "gram" if r >= GRAM_MIN_ASPECT else "standard"])
+                results[f"{dtype}/{m}x{n}"] = {"gram_over_standard": ratio, **{
+                    f"rel_err_{k}": v for k, v in errors.items()}}
+    print_table(f"Gram vs standard Newton–Schulz (5 steps, jordan; fastest of the rounds; "
+                f"error: Frobenius, against the fp64 iteration); auto takes Gram from aspect "
+                f"{GRAM_MIN_ASPECT:g}", ["dtype", "stack", "aspect", "standard ms", "gram ms",
+                                         "gram / standard", "err standard", "err gram",
+                                         "auto picks"], rows)
+    return results
 
 
 def _ns_flops(m: int, n: int, steps: int) -> float:
@@ -138,26 +101,27 @@ def bench_ns_accuracy(args: argparse.Namespace) -> dict[str, object]:
     for coefficients in ["jordan", "polar_express"]:
         refs[coefficients] = newton_schulz(G.double(), coefficients=coefficients, dtype="fp64")
         for dtype in ["bf16", "fp32", "fp64"]:
-            cases[(coefficients, dtype)] = (
-                lambda c=coefficients, dt=dtype: newton_schulz(G, coefficients=c, dtype=dt))
-    timings = interleaved({f"{c} {dt}": fn for (c, dt), fn in cases.items()},
+            for method in ["standard", "gram"]:
+                cases[(coefficients, dtype, method)] = functools.partial(
+                    newton_schulz, G, coefficients=coefficients, dtype=dtype, method=method)
+    timings = interleaved({" ".join(key): fn for key, fn in cases.items()},
                           repeats=1 if args.quick else 3)
     rows, results = [], {}
-    for (coefficients, dtype), fn in cases.items():
+    for (coefficients, dtype, method), fn in cases.items():
         out = fn().double()
         s = torch.linalg.svdvals(out)
         gram = out @ out.T - torch.eye(m, dtype=torch.float64)
         rel = float((out - refs[coefficients]).norm() / refs[coefficients].norm())
-        t = timings[f"{coefficients} {dtype}"]
+        t = timings[f"{coefficients} {dtype} {method}"]
         sigma_err, gram_err = float((s - 1).abs().max()), float(gram.norm())
-        rows.append([coefficients, dtype, f"{t.median * 1e3:.1f}",
-                     f"{_ns_flops(m, n, 5) / t.median / 1e9:.1f}",
+        rows.append([coefficients, dtype, method, f"{t.median * 1e3:.1f}",
                      f"{sigma_err:.3f}", f"{gram_err:.3f}", f"{rel:.1e}"])
-        results[f"{coefficients}/{dtype}"] = {"median_s": t.median, "max_abs_sigma_minus_1":
-                                               sigma_err, "gram_err": gram_err,
-                                               "rel_err_vs_fp64": rel}
-    print_table(f"Newton–Schulz, 5 steps on {m}×{n} (Gaussian), per dtype and set",
-                ["set", "dtype", "median ms", "GFLOP/s", "max|σ−1|", "‖OOᵀ−I‖_F",
+        results[f"{coefficients}/{dtype}/{method}"] = {
+            "median_s": t.median, "max_abs_sigma_minus_1": sigma_err, "gram_err": gram_err,
+            "rel_err_vs_fp64": rel}
+    print_table(f"Newton–Schulz, 5 steps on {m}×{n} (Gaussian), per dtype, set and method "
+                "(error: Frobenius, against the same set's fp64 standard iteration)",
+                ["set", "dtype", "method", "median ms", "max|σ−1|", "‖OOᵀ−I‖_F",
                  "rel. err vs fp64"], rows)
     return results
 
@@ -291,11 +255,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
     parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument("--only", choices=["step", "accuracy", "throughput", "batching",
-                                           "foreach", "distributed"])
+    parser.add_argument("--only", choices=["step", "floor", "gram", "accuracy", "throughput",
+                                           "batching", "foreach", "distributed"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    benches = {"step": bench_step, "accuracy": bench_ns_accuracy,
+    benches = {"step": bench_step, "floor": bench_floor, "gram": bench_gram,
+               "accuracy": bench_ns_accuracy,
                "throughput": bench_throughput, "batching": bench_batching,
                "foreach": bench_foreach, "distributed": bench_distributed}
     results = {name: fn(args) for name, fn in benches.items() if args.only in (None, name)}

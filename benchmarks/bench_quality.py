@@ -1,6 +1,6 @@
 """Does it train better? Equal-token quality comparisons of the recipe's choices.
 
-Run: ``hatch run bench:quality`` (about half an hour on 2 CPU cores; ``--quick`` is the CI smoke
+Run: ``hatch run bench:quality`` (about 50 minutes on 2 CPU cores; ``--quick`` is the CI smoke
 run). Every candidate trains the ``tiny`` preset's shape (or a variant of it) on one corpus
 prepared with a byte-level BPE trained on it (default: the built-in corpus; ``--data`` a
 folder of your own), for the same number of tokens, through ``k3_trainer.Trainer``. Each
@@ -26,7 +26,13 @@ The comparisons:
   mixed row by row, with the final ``val_bpb`` of each source beside the mixture's
   (weighted) one;
 - ``documents``: document masking (``document_masking``: KDA restarts and attention
-  within each document) against none, on the corpus and on the 0.7/0.3 mixture.
+  within each document) against none, on the corpus and on the 0.7/0.3 mixture;
+- ``muon_variants`` and ``muon_variants_dense``: Muon against NorMuon (``muon_normuon``)
+  and NorMuon with cautious weight decay (``cautious_weight_decay``), on the K3 hybrid and
+  on the dense llama-style model;
+- ``ns_method_bf16``: Newton–Schulz in bf16, the standard iteration against the Gram form
+  where ``ns_method="auto"`` takes it (aspect ratio ≥ 2.5; every other row pins the
+  standard iteration, ``BASE_MUON``).
 
 Each run's final model is also scored on downstream tasks (``--downstream``, default
 ARC-Easy, PIQA and HellaSwag, their first ``--downstream-limit`` documents): a second
@@ -68,6 +74,9 @@ BASE = "K3 (MuonAdamW)"
 # candidate is this plus its own change.
 BASE_RECIPE: dict[str, Any] = {"weight_decay": 0.1, "muon_update_scale": "match_rms_adamw",
                                "muon_ns_dtype": "fp32"}
+# MuonAdamW options no TrainConfig field sets, pinned the same way: the Newton–Schulz
+# iteration every row before Gram Newton–Schulz used (MuonAdamW's default is now "auto").
+BASE_MUON: dict[str, Any] = {"ns_method": "standard"}
 
 
 @dataclass(frozen=True)
@@ -81,16 +90,18 @@ class Candidate:
     gate_init: str = "k3"  # or "fla"
     match_active_by: str | None = None  # a model field tuned to the base's active params
     mixture: tuple[tuple[str, float], ...] | None = None  # (source, weight): docs, code
+    muon: dict[str, Any] = field(default_factory=dict)  # MuonAdamW options over BASE_MUON
 
 
+DENSE = {"attention": "gqa", "mlp": "dense", "activation": "swiglu", "n_kv_heads": 2,
+         "attn_res_block_size": 0}  # a dense llama-style model (d_ff matched to K3's active size)
+NORMUON = {"muon_normuon": True}
+NORMUON_CAUTIOUS = {"muon_normuon": True, "cautious_weight_decay": True}
 CANDIDATES = [
     Candidate(BASE),
     Candidate("K3 (AdamW)", optimizer="adamw"),
     Candidate("all-MLA", model={"attention": "mla"}, match_active_by="kv_lora_rank"),
-    Candidate("dense GQA (llama-style)",
-              model={"attention": "gqa", "mlp": "dense", "activation": "swiglu",
-                     "n_kv_heads": 2, "attn_res_block_size": 0},
-              match_active_by="d_ff"),
+    Candidate("dense GQA (llama-style)", model=DENSE, match_active_by="d_ff"),
     Candidate("no AttnRes", model={"attn_res_block_size": 0}),
     Candidate("NS bf16", train={"muon_ns_dtype": "bf16"}),
     Candidate("KDA gate init: fla", gate_init="fla"),
@@ -104,6 +115,13 @@ CANDIDATES = [
     Candidate("K3, documents apart", train={"document_masking": True}),
     Candidate("docs 0.7 / code 0.3, documents apart", mixture=(("docs", 0.7), ("code", 0.3)),
               train={"document_masking": True}),
+    Candidate("K3, NorMuon", train=NORMUON),
+    Candidate("K3, NorMuon + cautious WD", train=NORMUON_CAUTIOUS),
+    Candidate("dense, NorMuon", model=DENSE, match_active_by="d_ff", train=NORMUON),
+    Candidate("dense, NorMuon + cautious WD", model=DENSE, match_active_by="d_ff",
+              train=NORMUON_CAUTIOUS),
+    Candidate("NS bf16, Gram where auto picks it", train={"muon_ns_dtype": "bf16"},
+              muon={"ns_method": "auto"}),
 ]
 COMPARISONS = {
     "optimizer": [BASE, "K3 (AdamW)"],
@@ -116,6 +134,10 @@ COMPARISONS = {
     "mixture": ["docs 0.7 / code 0.3", "docs 0.3 / code 0.7"],
     "documents": [BASE, "K3, documents apart", "docs 0.7 / code 0.3",
                   "docs 0.7 / code 0.3, documents apart"],
+    "muon_variants": [BASE, "K3, NorMuon", "K3, NorMuon + cautious WD"],
+    "muon_variants_dense": ["dense GQA (llama-style)", "dense, NorMuon",
+                            "dense, NorMuon + cautious WD"],
+    "ns_method_bf16": ["NS bf16", "NS bf16, Gram where auto picks it"],
 }
 SWEEP_CENTER = 3e-3  # the sweep: these multiples of it (fixed, so the defaults it chose
 LR_FACTORS = (1 / 3, 1.0, 3.0)  # can move without moving the sweep)
@@ -221,6 +243,9 @@ def build(candidate: Candidate, setup: Setup, train: Any, seed: int) -> tuple[An
     model = K3Model(model_config(candidate, setup.vocab_size))
     _GATE_INITS[candidate.gate_init](model, seed)  # explicit: independent of the default
     optimizer = build_optimizer(model, train)
+    for group in optimizer.param_groups:  # known-valid values, set as the groups hold them
+        if group["use_muon"]:
+            group.update({**BASE_MUON, **candidate.muon})
     if candidate.optimizer == "adamw":
         groups = [dict(g, use_muon=False) for g in optimizer.param_groups]
         for group in groups:
@@ -368,7 +393,8 @@ def run_key(candidate: Candidate, setup: Setup, lr: float, seed: int) -> str:
     if candidate.mixture is not None:
         shared["code_corpus"] = setup.code_corpus
         shared["mixed_by"] = "row"  # batch-level mixing's cached runs do not match
-    own = {k: v for k, v in asdict(candidate).items() if k != "mixture" or v is not None}
+    own = {k: v for k, v in asdict(candidate).items()
+           if (k != "mixture" or v is not None) and (k != "muon" or v)}
     blob = json.dumps([own, shared, lr, seed, BASE_RECIPE], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -209,6 +209,7 @@ WRONG_TYPES = [
     ("overfit_batch", None), ("precision", 16), ("warmup_steps", 2.5), ("seed", None),
     ("compile", "yes"), ("compile", 1), ("async_checkpoint", "yes"), ("async_checkpoint", 1),
     ("document_masking", "on"), ("document_masking", 1),
+    ("muon_normuon", "on"), ("muon_normuon", 1), ("cautious_weight_decay", "yes"),
     ("keep_last", 1.5), ("keep_last", True), ("keep_last", None), ("keep_every", "10"),
     ("keep_every", 2.0), ("downstream", 3), ("downstream", ["arc_easy"]),
     ("downstream_interval", 1.5), ("downstream_limit", None),

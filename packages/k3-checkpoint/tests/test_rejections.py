@@ -176,6 +176,11 @@ CASES = [
         r"optimizer state tensors do not match.*embed\.weight\.exp_avg \[3, 3\] vs \[64, 16\]",
         doctor=lambda p: p["optimizer"]["state"][0].update(exp_avg=torch.zeros(3, 3)),
     ),
+    Case(  # per-row statistics are the leading dims ([64]); the trailing ones are not
+        "optimizer-state-trailing-dims",
+        r"optimizer state tensors do not match.*embed\.weight\.exp_avg \[16\] vs \[64, 16\]",
+        doctor=lambda p: p["optimizer"]["state"][0].update(exp_avg=torch.zeros(16)),
+    ),
     Case(
         "optimizer-state-unknown-parameter",
         r"optimizer state entry 999 matches no parameter",
@@ -313,3 +318,14 @@ def test_policy_relaxations_are_honoured(tmp_path):
         "runtime.num_threads": (threads - 1, threads),
     }
     assert loaded.changes_under("runtime") == {"runtime.num_threads": (threads - 1, threads)}
+
+
+def test_per_row_state_is_parameter_shaped_and_other_shapes_are_not():
+    from k3_checkpoint.layout import parameter_shaped
+
+    assert parameter_shaped((64, 16), (64, 16))
+    assert parameter_shaped((64,), (64, 16))  # NorMuon's row_second_moment
+    assert parameter_shaped((3, 8), (3, 8, 4))  # per row of each matrix of a stack
+    assert not parameter_shaped((16,), (64, 16))
+    assert not parameter_shaped((), (64, 16))
+    assert not parameter_shaped((64, 16, 1), (64, 16))

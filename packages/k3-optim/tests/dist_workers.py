@@ -20,6 +20,10 @@ import k3_optim.muon
 from k3_optim import MuonAdamW
 
 HP = dict(lr=0.05, weight_decay=0.1, momentum=0.9, ns_dtype="fp64")
+# NorMuon (its per-row state sharded like the rows, its per-matrix sums reduced across
+# ranks) and cautious decay in both halves, with Gram Newton–Schulz forced everywhere.
+HP_VARIANTS = dict(HP, normuon=True, normuon_beta2=0.9, cautious_weight_decay=True,
+                   ns_method="gram")
 
 
 class TinyNet(nn.Module):
@@ -31,7 +35,7 @@ class TinyNet(nn.Module):
         kw = dict(dtype=torch.float64)
         self.q = nn.Linear(4, 6, bias=False, **kw)  # 3 heads of 2 rows; ranks get 3 | 3
         self.up = nn.Linear(6, 5, **kw)  # 5 rows over 2 ranks: 3 | 2
-        self.tall = nn.Linear(5, 9, bias=False, **kw)  # 9 × 5: orthogonalized transposed
+        self.tall = nn.Linear(5, 9, bias=False, **kw)  # 9 × 5: iterated on its right side
         self.down = nn.Linear(9, 4, bias=False, **kw)
         self.experts = nn.Parameter(torch.randn(3, 4, 4, **kw) / 2)  # 3 experts: 2 | 1
         self.norm = nn.LayerNorm(4, **kw)
@@ -67,16 +71,16 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 
 def count_ns_matrices() -> list[int]:
-    """Wrap the Newton–Schulz call Muon makes; the returned list grows by the number of
-    matrices in each call."""
+    """Wrap the Newton–Schulz iteration Muon runs; the returned list grows by the number
+    of matrices in each call."""
     counts: list[int] = []
-    real = k3_optim.muon.newton_schulz
+    real = k3_optim.muon.iterate
 
-    def spy(G: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        counts.append(G.shape[0])
-        return real(G, **kwargs)
+    def spy(X: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        counts.append(X.shape[0])
+        return real(X, *args, **kwargs)
 
-    k3_optim.muon.newton_schulz = spy  # type: ignore[assignment]
+    k3_optim.muon.iterate = spy  # type: ignore[assignment]
     return counts
 
 
@@ -90,12 +94,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) -> None:
+def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
+               hp: dict | None = None) -> None:
     _init(rank, world, init_file)
     try:
         model = build()
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt = MuonAdamW(groups(model), distributed=True, **HP)
+        opt = MuonAdamW(groups(model), distributed=True, **(hp or HP))
         counts = count_ns_matrices()
         grads = []
         for step in range(steps):
@@ -109,7 +114,18 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) 
         dist.destroy_process_group()
 
 
-def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) -> None:
+def ddp_variants_worker(rank: int, world: int, init_file: str, out_dir: str,
+                        steps: int) -> None:
+    ddp_worker(rank, world, init_file, out_dir, steps, HP_VARIANTS)
+
+
+def fsdp_variants_worker(rank: int, world: int, init_file: str, out_dir: str,
+                         steps: int) -> None:
+    fsdp_worker(rank, world, init_file, out_dir, steps, HP_VARIANTS)
+
+
+def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
+                hp: dict | None = None) -> None:
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
@@ -118,9 +134,10 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int)
 
     _init(rank, world, init_file)
     try:
+        hp = hp or HP
         model = build()
         fully_shard(model)
-        opt = MuonAdamW(groups(model), **HP)  # DTensor parameters: distributed by default
+        opt = MuonAdamW(groups(model), **hp)  # DTensor parameters: distributed by default
         counts = count_ns_matrices()
         grads = []
         for step in range(steps):
@@ -130,14 +147,17 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int)
             opt.zero_grad(set_to_none=True)
         momentum = {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters()
                     if "momentum_buffer" in opt.state[p]}
+        rows = {n: opt.state[p]["row_second_moment"] for n, p in model.named_parameters()
+                if "row_second_moment" in opt.state[p]}
         named = dict(model.named_parameters())
         result = {
             "grads": grads,
             "params": {n: _full(p).clone() for n, p in named.items()},
             "momentum": {n: _full(b) for n, b in momentum.items()},
+            "row_second_moment": {n: _full(v) for n, v in rows.items()},
             "sharded_state": all(type(b).__name__ == "DTensor"
                                  and b.placements == named[n].placements
-                                 for n, b in momentum.items()),
+                                 for n, b in (momentum | rows).items()),
             "local_rows": {n: p.to_local().shape[0] for n, p in named.items()},
             "ns_matrices": sum(counts),
         }
@@ -151,7 +171,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int)
             twin = build(seed=1)
             fully_shard(twin)
             twin.load_state_dict(model.state_dict())
-            twin_opt = MuonAdamW(groups(twin), **HP)
+            twin_opt = MuonAdamW(groups(twin), **hp)
             if via_dcp:
                 state = copy.deepcopy(get_optimizer_state_dict(model, opt))
                 set_optimizer_state_dict(twin, twin_opt, state)
@@ -173,7 +193,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int)
         dist.destroy_process_group()
 
 
-EXPERTS = (4, 5, 3)  # (E, out, in): a tall stack, orthogonalized transposed
+EXPERTS = (4, 5, 3)  # (E, out, in): a tall stack, iterated on its right side
 
 
 def expert_grads(steps: int) -> list[torch.Tensor]:

@@ -36,10 +36,11 @@ def _spawn(worker, tmp_path: Path) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def _one_process(grads: list[dict[str, torch.Tensor]]) -> tuple[dict, MuonAdamW, int]:
+def _one_process(grads: list[dict[str, torch.Tensor]],
+                 hp: dict | None = None) -> tuple[dict, MuonAdamW, int]:
     """The same steps in one process; returns params, optimizer and NS matrix count."""
     model = dist_workers.build()
-    opt = MuonAdamW(dist_workers.groups(model), **dist_workers.HP)
+    opt = MuonAdamW(dist_workers.groups(model), **(hp or dist_workers.HP))
     counts = dist_workers.count_ns_matrices()
     for step_grads in grads:
         for name, p in model.named_parameters():
@@ -62,7 +63,7 @@ def _restore_newton_schulz(monkeypatch):
     # _one_process installs a counting spy; undo it for the other tests.
     import k3_optim.muon
 
-    monkeypatch.setattr(k3_optim.muon, "newton_schulz", k3_optim.muon.newton_schulz)
+    monkeypatch.setattr(k3_optim.muon, "iterate", k3_optim.muon.iterate)
 
 
 def test_ddp_update_equals_one_process_and_ns_runs_once(tmp_path):
@@ -78,6 +79,36 @@ def test_ddp_update_equals_one_process_and_ns_runs_once(tmp_path):
             diff = (r["params"][name] - p).abs().max().item()
             assert diff <= 1e-10, (name, diff)
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+
+
+def test_ddp_normuon_and_cautious_decay_equal_one_process(tmp_path):
+    ranks = _spawn(dist_workers.ddp_variants_worker, tmp_path)
+    params, opt, single_count = _one_process(ranks[0]["grads"], dist_workers.HP_VARIANTS)
+    assert sum(r["ns_matrices"] for r in ranks) == single_count
+    assert any("row_second_moment" in s for s in opt.state.values())
+    for name, p in params.items():
+        for r in ranks:
+            diff = (r["params"][name] - p).abs().max().item()
+            assert diff <= 1e-10, (name, diff)
+
+
+def test_fsdp2_normuon_and_cautious_decay_equal_one_process_and_round_trip(tmp_path):
+    """NorMuon's rows split over ranks (5 rows → 3 | 2, and per-head blocks cut inside a
+    head): each rank normalizes its own rows, the per-matrix sums reduced across ranks."""
+    ranks = _spawn(dist_workers.fsdp_variants_worker, tmp_path)
+    params, opt, single_count = _one_process(ranks[0]["grads"], dist_workers.HP_VARIANTS)
+    assert sum(r["ns_matrices"] for r in ranks) == single_count
+    for name, p in params.items():
+        for r in ranks:
+            diff = (r["params"][name] - p).abs().max().item()
+            assert diff <= 1e-10, (name, diff)
+        if name in ranks[0]["row_second_moment"]:
+            v = opt.state[p]["row_second_moment"]
+            assert (ranks[0]["row_second_moment"][name] - v).abs().max().item() <= 1e-12, name
+    assert set(ranks[0]["row_second_moment"]) == {"q.weight", "up.weight", "tall.weight",
+                                                    "down.weight", "experts"}
+    assert all(r["sharded_state"] for r in ranks)  # row state: DTensors sharded like p
+    assert all(r["round_trip"] == [True, True] for r in ranks)
 
 
 def test_fsdp2_update_equals_one_process_and_state_round_trips(tmp_path):

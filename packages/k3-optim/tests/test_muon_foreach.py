@@ -1,7 +1,7 @@
 """The foreach Muon step equals a plain per-parameter reference, in every layout.
 
 One optimizer holds the layouts a K3 model has — same-shape matrices sharing a bucket,
-a tall matrix orthogonalized transposed in the same bucket as its wide twin, an MoE
+a tall matrix (its own bucket, iterated on its right side) beside its wide twin, an MoE
 expert stack, per-head Q/K blocks — and its fp64 result after a few steps must equal
 ``optim_reference.muon_reference_step`` applied to each parameter alone.
 """
@@ -18,7 +18,7 @@ from k3_optim import MuonAdamW
 LAYOUT = {
     "w1": ((16, 32), {}, "plain"),
     "w2": ((16, 32), {}, "plain"),
-    "tall": ((32, 16), {}, "plain"),  # same bucket as w1/w2, transposed for NS
+    "tall": ((32, 16), {}, "plain"),  # w1/w2's shape transposed: its own bucket, X·h(XᵀX)
     "experts": ((3, 16, 32), {"batch": True}, "plain"),  # 3 more matrices of that bucket
     "odd": ((5, 7), {}, "plain"),
     "q": ((24, 16), {"num_heads": 4}, "heads"),  # 4 per-head 6×16 blocks

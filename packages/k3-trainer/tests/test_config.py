@@ -22,6 +22,8 @@ BAD_VALUES = {
     "muon_ns_dtype": ["fp16", "float8"],
     "muon_ns_coefficients": ["cubic"],
     "muon_update_scale": ["rms"],
+    "muon_normuon": ["yes", 1, None],
+    "cautious_weight_decay": ["true", 0, None],
     "max_grad_norm": [-1.0, float("inf")],
     "lr_schedule": ["linear"],
     "warmup_steps": [-1, 0.5],
@@ -79,3 +81,27 @@ def test_round_trip_and_defaults():
     state = TrainState()
     assert (state.step, state.tokens_seen, state.skipped_updates) == (0, 0, 0)
     assert state.fixed_batch_offset is None
+
+
+def test_muon_variants_reach_the_optimizer_and_older_runs_keep_their_meaning():
+    import warnings
+
+    from torch import nn
+
+    from k3_trainer import build_optimizer
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the name/shape guess of the groups
+        variant = build_optimizer(model, TrainConfig(muon_normuon=True,
+                                                     cautious_weight_decay=True))
+        plain = build_optimizer(model, TrainConfig())
+    assert any(g["use_muon"] for g in variant.param_groups)
+    assert all(g["normuon"] for g in variant.param_groups if g["use_muon"])
+    assert all(g["cautious_weight_decay"] for g in variant.param_groups)  # both halves
+    assert not any(g["normuon"] or g["cautious_weight_decay"] for g in plain.param_groups)
+    # Left out of a recorded config at their defaults (a run recorded before them matches),
+    # recorded when on.
+    assert not {"muon_normuon", "cautious_weight_decay"} & set(TrainConfig().to_dict())
+    on = TrainConfig(muon_normuon=True).to_dict()
+    assert on["muon_normuon"] is True and TrainConfig.from_dict(on).muon_normuon

@@ -18,7 +18,7 @@ from .errors import CheckpointError
 
 __all__ = [
     "check_layout", "check_optimizer_state", "layout_names", "optimizer_identity",
-    "optimizer_layout",
+    "optimizer_layout", "parameter_shaped",
 ]  # fmt: skip
 
 _LISTED = 5  # items named in a message before "…"
@@ -76,6 +76,13 @@ def optimizer_layout(
     return layout
 
 
+def parameter_shaped(state: tuple[int, ...], parameter: tuple[int, ...]) -> bool:
+    """Whether optimizer state of shape ``state`` fits a parameter of shape ``parameter``:
+    the same shape, or its leading dims (one statistic per row, or per row of each matrix
+    of a stack, as NorMuon's ``row_second_moment``)."""
+    return 0 < len(state) <= len(parameter) and state == parameter[:len(state)]
+
+
 def check_optimizer_state(
     saved: Any, optimizer: torch.optim.Optimizer, layout: list[dict[str, Any]]
 ) -> None:
@@ -84,7 +91,8 @@ def check_optimizer_state(
     Checks what ``load_state_dict`` assumes without checking: the same number of groups and of
     parameters per group, the same hyperparameter keys per group (so no setting silently keeps
     a constructor default), distinct parameter ids, state only for known parameters, and every
-    multi-element state tensor shaped like its parameter. ``layout`` (the live one, already
+    multi-element state tensor shaped like its parameter (or like its leading dims: per-row
+    statistics, as NorMuon keeps). ``layout`` (the live one, already
     compared with the checkpoint's) names parameters in messages. Optimizers whose state is
     not parameter-shaped (factored moments) fail the last check; see the README.
     """
@@ -129,7 +137,7 @@ def check_optimizer_state(
             if (
                 isinstance(value, torch.Tensor)
                 and value.numel() > 1
-                and value.shape != parameter.shape
+                and not parameter_shaped(tuple(value.shape), tuple(parameter.shape))
             ):
                 wrong.append(f"{name}.{field} {list(value.shape)} vs {list(parameter.shape)}")
     if wrong:

@@ -5,11 +5,14 @@ from importlib.metadata import PackageNotFoundError, version
 from .muon import UPDATE_SCALES, matrix_view_shape, update_scale_factor
 from .newton_schulz import (
     COEFFICIENT_SETS,
+    GRAM_MIN_ASPECT,
     JORDAN,
+    NS_METHODS,
     POLAR_EXPRESS,
     POLAR_EXPRESS_SAFETY,
     newton_schulz,
     resolve_ns_dtype,
+    resolve_ns_method,
 )
 from .optimizer import MuonAdamW
 from .param_groups import build_parameter_groups, check_parameter_groups
@@ -21,7 +24,9 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "GRAM_MIN_ASPECT",
     "JORDAN",
+    "NS_METHODS",
     "POLAR_EXPRESS",
     "POLAR_EXPRESS_SAFETY",
     "UPDATE_SCALES",
@@ -32,5 +37,6 @@ __all__ = [
     "matrix_view_shape",
     "newton_schulz",
     "resolve_ns_dtype",
+    "resolve_ns_method",
     "update_scale_factor",
 ]

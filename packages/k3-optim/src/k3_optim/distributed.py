@@ -59,6 +59,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+def rows_state_like(p: torch.Tensor, shape: tuple[int, ...], local_shape: tuple[int, ...], *,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``shape`` for per-row optimizer state of ``p`` (NorMuon's), placed like
+    ``p``: a DTensor with ``p``'s mesh and placements (its dim 0 is ``p``'s dim 0, so
+    ``Shard(0)`` splits it as it splits ``p``), whose local piece has ``local_shape``."""
+    zeros = torch.zeros(local_shape if is_dtensor(p) else shape, dtype=dtype, device=p.device)
+    if not is_dtensor(p):
+        return zeros
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(zeros, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=torch.Size(shape), stride=strides)
+
+
 def chunk_rows(n: int, world: int) -> tuple[tuple[int, int], ...]:
     """Row ranges of ``Shard(0)`` over ``world`` ranks (torch.chunk: ⌈n/world⌉ rows each)."""
     size = -(-n // world)

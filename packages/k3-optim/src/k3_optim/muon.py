@@ -2,9 +2,10 @@
 
 Per group: momentum, Nesterov look-ahead and decoupled weight decay as ``torch._foreach_*``
 calls over all of the group's tensors, then every same-shape matrix goes through one
-batched Newton–Schulz call, then the scaled update added with one foreach call per update
-scale. The optimizer class only gathers tensors (and, when distributed, supplies an
-orthogonalizer that runs each matrix's Newton–Schulz on one rank).
+batched Newton–Schulz call (standard or Gram form), then optionally NorMuon's row
+normalization and cautious decay, then the scaled update added with one foreach call
+per update scale. The optimizer class only gathers tensors (and, when distributed,
+supplies an orthogonalizer that runs each matrix's Newton–Schulz on one rank).
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .newton_schulz import CoefficientSpec, DTypeSpec, newton_schulz, resolve_ns_dtype
+from .decay import cautious_decay_
+from .newton_schulz import (
+    CoefficientSpec,
+    DTypeSpec,
+    iterate,
+    normalize_into,
+    resolve_coefficients,
+    resolve_ns_dtype,
+    resolve_ns_method,
+)
 
 UPDATE_SCALES = ("match_rms_adamw", "spectral", "none")
 
@@ -77,40 +87,45 @@ def orthogonalize(
     ns_dtype: DTypeSpec,
     ns_coefficients: CoefficientSpec,
     ns_eps: float,
+    ns_method: str = "standard",
 ) -> list[torch.Tensor]:
     """Newton–Schulz on full updates: one batched call per shape bucket.
 
-    Matrices with the same wide-orientation shape (tall ones transposed: NS would
-    transpose them anyway), device and dtype share a call. Returns new tensors shaped
-    like ``updates``.
+    Matrices with the same shape (orientation included: a tall stack is iterated as
+    ``X ← X·h(Xᵀ X)``, never transposed), device and dtype share a call, so
+    ``ns_method="auto"`` decides once per bucket. Each update is normalized straight
+    into the bucket's stack in the iteration dtype (no separate concatenation). Returns
+    tensors shaped and typed like ``updates``, contiguous, owned by the caller (a view
+    into the bucket's result when no conversion is needed).
     """
-    buckets: dict[tuple[int, int, torch.device, torch.dtype], list[int]] = defaultdict(list)
+    per_step, norm_factor = resolve_coefficients(ns_coefficients, ns_steps)
+    buckets: dict[tuple[int, int, bool, torch.device, torch.dtype],
+                  list[int]] = defaultdict(list)
     for i, (_, rows, cols) in enumerate(views):
-        key = (min(rows, cols), max(rows, cols), updates[i].device, updates[i].dtype)
+        key = (min(rows, cols), max(rows, cols), rows > cols, updates[i].device,
+               updates[i].dtype)
         buckets[key].append(i)
 
     result: list[torch.Tensor | None] = [None] * len(updates)
-    for (_, _, device, _), indices in buckets.items():
-        mats = []
+    for (short, long, tall, device, _), indices in buckets.items():
+        work_dtype = resolve_ns_dtype(ns_dtype, device)
+        shape = (long, short) if tall else (short, long)
+        stack = torch.empty(sum(views[i][0] for i in indices), *shape, dtype=work_dtype,
+                            device=device)
+        start = 0
         for i in indices:
-            batch, rows, cols = views[i]
-            mat = updates[i].reshape(batch, rows, cols)
-            mats.append(mat if rows <= cols else mat.mT)
-        stacked = mats[0] if len(mats) == 1 else torch.cat(mats)
-        ortho = newton_schulz(
-            stacked,
-            steps=ns_steps,
-            coefficients=ns_coefficients,
-            dtype=resolve_ns_dtype(ns_dtype, device),
-            eps=ns_eps,
-        )
+            batch = views[i][0]
+            normalize_into(stack[start:start + batch], updates[i].reshape(batch, *shape),
+                           norm_factor=norm_factor, eps=ns_eps)
+            start += batch
+        ortho = iterate(stack, per_step, method=resolve_ns_method(ns_method, short, long))
         for i, piece in zip(indices, torch.split(ortho, [views[i][0] for i in indices])):
-            rows, cols = views[i][1:]
-            result[i] = (piece if rows <= cols else piece.mT).reshape(updates[i].shape)
+            result[i] = piece.to(updates[i].dtype).reshape(updates[i].shape)
     return result  # type: ignore[return-value]
 
 
 Orthogonalizer = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+Normalizer = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def muon_update(
@@ -125,38 +140,48 @@ def muon_update(
     nesterov: bool,
     update_scale: str,
     orthogonalize: Orthogonalizer,
+    normalize: Normalizer | None = None,
+    cautious_weight_decay: bool = False,
     foreach: bool = True,
 ) -> None:
     """Apply one Muon step in place to ``params`` (and ``momentum_buffers``).
 
     The tensors may be local shards (FSDP2): everything here is elementwise except
     ``orthogonalize``, which maps the list of momentum updates to orthogonalized updates
-    of the same (local) shapes. ``views[i]`` is the full parameter's ``(batch, rows,
-    cols)`` stack from :func:`matrix_view_shape`, which sets the update scale. Momentum
-    is an EMA (``buf ← m·buf + (1−m)·g``); the sum convention differs only by a scalar,
-    which Newton–Schulz normalizes away. ``foreach=False`` runs the same arithmetic one
-    tensor at a time (the baseline the benchmark compares against).
+    of the same (local) shapes, and ``normalize`` (NorMuon, when given), which maps
+    those to row-normalized updates. ``views[i]`` is the full parameter's ``(batch,
+    rows, cols)`` stack from :func:`matrix_view_shape`, which sets the update scale.
+    Momentum is an EMA (``buf ← m·buf + (1−m)·g``); the sum convention differs only by
+    a scalar, which Newton–Schulz normalizes away. Decay is decoupled
+    (``p ← p·(1 − lr·wd)``), or with ``cautious_weight_decay`` applied only where the
+    final update and the parameter agree in sign. ``foreach=False`` runs the same
+    arithmetic one tensor at a time (the baseline the benchmark compares against).
     """
     if not params:
         return
     decay = 1.0 - lr * weight_decay
+    plain_decay = weight_decay != 0.0 and not cautious_weight_decay
     if foreach:
         torch._foreach_lerp_(momentum_buffers, grads, 1.0 - momentum)
         updates = (
             torch._foreach_lerp(grads, momentum_buffers, momentum)
             if nesterov else list(momentum_buffers)
         )
-        if weight_decay != 0.0:
+        if plain_decay:
             torch._foreach_mul_(params, decay)
     else:
         updates = []
         for p, g, buf in zip(params, grads, momentum_buffers):
             buf.lerp_(g, 1.0 - momentum)
             updates.append(g.lerp(buf, momentum) if nesterov else buf)
-            if weight_decay != 0.0:
+            if plain_decay:
                 p.mul_(decay)
 
     ortho = orthogonalize(list(updates))
+    if normalize is not None:
+        ortho = normalize(ortho)
+    if cautious_weight_decay:  # the update's sign is O's: its scale is positive
+        cautious_decay_(params, ortho, lr * weight_decay, foreach=foreach)
     # One foreach add per (scale, device, dtype): the scale depends on the shape.
     by_scale: dict[tuple[float, torch.device, torch.dtype],
                    tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))

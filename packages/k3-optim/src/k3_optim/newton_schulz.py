@@ -4,6 +4,17 @@ Muon replaces a momentum matrix ``G = U S Vᵀ`` by (approximately) its orthogon
 factor ``U Vᵀ``. The quintic iteration ``X ← a·X + (b·A + c·A²)·X`` with ``A = X Xᵀ``
 pushes every singular value of a Frobenius-normalized ``X`` toward 1 using only
 matrix products, which is why it is cheap on accelerators.
+
+For a wide ``m × n`` matrix (``m ≤ n``) every step is ``X ← h(A)·X`` with
+``h(A) = a·I + b·A + c·A²``, so after k steps ``X_k = Q_k·X_0`` where ``Q_k`` is a
+polynomial in ``A_0``. The Gram form iterates on the ``m × m`` matrices instead
+(``Q ← h(R)·Q``, ``R ← h(R)·R·h(R)``, all polynomials of one matrix, so they commute)
+and touches the ``m × n`` matrix only to form ``R = X Xᵀ`` and to return ``Q·X``: fewer
+products when ``n`` is a few times ``m``. ``R`` is carried from step to step rather than
+recomputed, so rounding accumulates (in bf16 a rounding-negative eigenvalue of ``R``
+grows by ``h(λ)²`` per step); the iteration restarts (``X ← Q·X``, ``R ← X Xᵀ``) after
+step 2 and then every third step, as Gram Newton–Schulz's authors recommend for five
+steps.
 """
 
 from __future__ import annotations
@@ -31,6 +42,14 @@ POLAR_EXPRESS: tuple[Coefficients, ...] = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 POLAR_EXPRESS_SAFETY = 1.02
+
+NS_METHODS = ("standard", "gram", "auto")
+
+# ``method="auto"`` takes the Gram form for matrices at least this many times wider than
+# tall (either orientation). Its products cost ≈ (8r + 28)·m³ against (20r + 10)·m³ for
+# the standard form (r = n/m, five steps, one restart), equal at r = 1.5; measured on
+# CPU (``bench_optim.py --only gram``) the Gram form first wins clearly from r ≈ 2.5.
+GRAM_MIN_ASPECT = 2.5
 
 COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
     "jordan": JORDAN,
@@ -109,6 +128,26 @@ def resolve_coefficients(
     return per_step, factor
 
 
+def resolve_ns_method(method: str, rows: int, cols: int) -> str:
+    """``"standard"`` or ``"gram"`` for a ``rows × cols`` matrix: ``"auto"`` picks Gram
+    where the matrix is at least :data:`GRAM_MIN_ASPECT` times wider than tall (or
+    taller than wide)."""
+    if method not in NS_METHODS:
+        raise ValueError(
+            f"unknown Newton–Schulz method {method!r}; use one of {', '.join(NS_METHODS)}"
+        )
+    if method != "auto":
+        return method
+    short, long = sorted((rows, cols))
+    return "gram" if short and long >= GRAM_MIN_ASPECT * short else "standard"
+
+
+def gram_restarts(steps: int) -> frozenset[int]:
+    """The 0-based steps before which the Gram form restarts from ``X``: after step 2,
+    then every third step (5 steps: one restart; 8 steps: two)."""
+    return frozenset(range(2, steps, 3))
+
+
 def newton_schulz(
     G: torch.Tensor,
     *,
@@ -116,13 +155,17 @@ def newton_schulz(
     coefficients: CoefficientSpec = "jordan",
     dtype: DTypeSpec = torch.float32,
     eps: float = 1e-7,
+    method: str = "standard",
 ) -> torch.Tensor:
     """Approximately orthogonalize ``G`` (shape ``(..., m, n)``) with the quintic iteration.
 
     Each matrix in the batch is normalized by its own Frobenius norm and iterated in
-    ``dtype`` on the wide orientation (transposed when ``m > n``, so ``X Xᵀ`` is the
-    smaller Gram matrix). Returns a new tensor of ``G``'s shape and dtype; ``G`` is never
-    modified, even when it already has the iteration dtype.
+    ``dtype`` on its smaller Gram matrix (``X Xᵀ`` for a wide matrix, ``Xᵀ X`` for a tall
+    one, which is iterated as ``X ← X·h(Xᵀ X)``: no transposed copy). ``method`` is
+    ``"standard"`` (iterate on ``X``), ``"gram"`` (iterate on the Gram matrix: the same
+    polynomial, cheaper for rectangular matrices) or ``"auto"`` (Gram from an aspect
+    ratio of :data:`GRAM_MIN_ASPECT`). Returns a new tensor of ``G``'s shape and dtype;
+    ``G`` is never modified, even when it already has the iteration dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(G.shape)}")
@@ -130,20 +173,85 @@ def newton_schulz(
         raise ValueError("newton_schulz does not support complex tensors")
     per_step, norm_factor = resolve_coefficients(coefficients, steps)
     work_dtype = resolve_ns_dtype(dtype, G.device)
-
     m, n = G.shape[-2], G.shape[-1]
-    X = G.reshape(-1, m, n).to(work_dtype)  # may alias G: nothing below writes into X
-    transposed = m > n
-    if transposed:
-        X = X.mT
-    # Norm in at least fp32 so a bf16 iteration still starts from an accurate scale.
-    norm_dtype = torch.float64 if work_dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(X.to(norm_dtype), dim=(-2, -1), keepdim=True)
-    X = (X.to(norm_dtype) / (norm * norm_factor + eps)).to(work_dtype)
+    mats = G.reshape(-1, m, n)
+    X = torch.empty(mats.shape, dtype=work_dtype, device=G.device)
+    normalize_into(X, mats, norm_factor=norm_factor, eps=eps)  # never writes into G
+    X = iterate(X, per_step, method=resolve_ns_method(method, m, n))
+    return X.to(G.dtype).reshape(G.shape)
+
+
+def normalize_into(out: torch.Tensor, mats: torch.Tensor, *, norm_factor: float,
+                   eps: float) -> None:
+    """``out ← mats / (‖mats‖_F·norm_factor + eps)`` per matrix, in ``out``'s dtype.
+
+    The norm and the division run in at least fp32 (fp64 when either side is fp64), on
+    the input as given (not on its rounding to a bf16 ``out``), and the division writes
+    ``out`` directly: one pass over the input besides the norm.
+    """
+    norm_dtype = torch.promote_types(torch.promote_types(mats.dtype, out.dtype), torch.float32)
+    norm = torch.linalg.vector_norm(mats, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    torch.div(mats, norm * norm_factor + eps, out=out)
+
+
+class _Side:
+    """Products on the side of ``X`` that keeps the Gram matrix small: a wide ``X``
+    (``m ≤ n``) is iterated as ``X ← h(X Xᵀ)·X``, a tall one as ``X ← X·h(Xᵀ X)`` (the same
+    iteration on ``Xᵀ``, without transposing anything)."""
+
+    def __init__(self, X: torch.Tensor) -> None:
+        self.tall = X.shape[-2] > X.shape[-1]
+
+    def gram(self, X: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(X.mT, X) if self.tall else torch.bmm(X, X.mT)
+
+    def apply(self, M: torch.Tensor, X: torch.Tensor, *, beta: float | None = None) -> torch.Tensor:
+        """``M·X`` (tall: ``X·M``), or ``beta·X + M·X`` with ``a·X`` accumulated with the
+        product before one rounding."""
+        if beta is None:
+            return torch.bmm(X, M) if self.tall else torch.bmm(M, X)
+        return torch.baddbmm(X, X, M, beta=beta) if self.tall else torch.baddbmm(X, M, X, beta=beta)
+
+
+def iterate(X: torch.Tensor, per_step: Sequence[Coefficients], *, method: str) -> torch.Tensor:
+    """Run the iteration on a normalized ``(batch, m, n)`` stack (wide or tall), in its
+    dtype; ``method`` is ``"standard"`` or ``"gram"``. ``X`` is only read."""
+    side = _Side(X)
+    return (_gram_iteration if method == "gram" else _standard_iteration)(X, per_step, side)
+
+
+def _standard_iteration(X: torch.Tensor, per_step: Sequence[Coefficients],
+                        side: _Side) -> torch.Tensor:
+    """``X ← a·X + (b·A + c·A²)·X`` with ``A = X Xᵀ``. ``a·X`` is added inside the last
+    product (accumulated in fp32 with it before one rounding), not folded into the small
+    factor, whose diagonal would be rounded in bf16 (twice the error)."""
     for a, b, c in per_step:
-        A = torch.bmm(X, X.mT)
+        A = side.gram(X)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A·A
-        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a·X + B·X
-    if transposed:
-        X = X.mT
-    return X.to(G.dtype).contiguous().reshape(G.shape)
+        X = side.apply(B, X, beta=a)  # a·X + B·X
+    return X
+
+
+def _gram_iteration(X: torch.Tensor, per_step: Sequence[Coefficients],
+                    side: _Side) -> torch.Tensor:
+    """The same polynomial as :func:`_standard_iteration`, iterated on ``R = X Xᵀ``.
+
+    Per step ``H = a·I + b·R + c·R²``, ``Q ← H·Q`` and (unless a restart or the end
+    follows) ``R ← H·R·H``; ``X`` is touched only at the start, at each restart
+    (``X ← Q·X``, ``R ← X Xᵀ``) and at the end (``Q·X``).
+    """
+    restarts = gram_restarts(len(per_step))
+    R = side.gram(X)
+    Q: torch.Tensor | None = None
+    for i, (a, b, c) in enumerate(per_step):
+        if i in restarts and Q is not None:
+            X = side.apply(Q, X)
+            R = side.gram(X)
+            Q = None
+        H = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R·R
+        H.diagonal(dim1=-2, dim2=-1).add_(a)
+        Q = H if Q is None else torch.bmm(H, Q)
+        if i + 1 < len(per_step) and i + 1 not in restarts:
+            R = torch.bmm(H, torch.bmm(R, H))
+    assert Q is not None  # at least one step (resolve_coefficients)
+    return side.apply(Q, X)

@@ -16,17 +16,28 @@ import torch
 import torch.distributed as dist
 from torch.optim.adamw import adamw as _torch_adamw
 
+from .decay import cautious_decay_
 from .distributed import (
     batch_sharded,
     distributed_orthogonalize,
     local,
     resolve_batch_comm,
     resolve_comm,
+    rows_state_like,
 )
-from .muon import UPDATE_SCALES, matrix_view_shape, muon_update, orthogonalize
-from .newton_schulz import CoefficientSpec, DTypeSpec, resolve_coefficients, resolve_ns_dtype
+from .muon import matrix_view_shape, muon_update, orthogonalize
+from .newton_schulz import CoefficientSpec, DTypeSpec
+from .normuon import RowBlocks, normuon_normalize, second_moment_shape
+from .options import validate_options
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]]
+
+# Hyperparameters added after 0.1.0, with the behaviour a state dict saved without them had:
+# loading one fills them in, so an older run continues as it ran.
+LEGACY_HYPERPARAMETERS: dict[str, Any] = {
+    "ns_method": "standard", "normuon": False, "normuon_beta2": 0.95, "normuon_eps": 1e-8,
+    "cautious_weight_decay": False,
+}
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -46,8 +57,18 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps, ns_dtype, ns_coefficients, ns_eps: Newton–Schulz settings; ``ns_dtype``
             is ``"auto"`` (bf16 on CUDA, fp32 elsewhere), ``"bf16"``, ``"fp32"``,
             ``"fp64"`` or a torch dtype, independent of the parameter dtype.
+        ns_method: ``"standard"`` (iterate on the matrix), ``"gram"`` (iterate on its
+            Gram matrix: the same polynomial, fewer products for rectangular matrices)
+            or ``"auto"`` (Gram from an aspect ratio of ``GRAM_MIN_ASPECT``, where it is
+            the faster one).
         update_scale: ``"match_rms_adamw"`` (0.2·√max(rows, cols)), ``"spectral"``
             (√max(1, rows/cols)) or ``"none"``, computed on the orthogonalized shape.
+        normuon, normuon_beta2, normuon_eps: NorMuon: divide each row (output neuron) of
+            the orthogonalized update by the root of an EMA (``normuon_beta2``) of its
+            mean square plus ``normuon_eps``, then rescale each orthogonalized matrix to
+            the Frobenius norm it had, before ``update_scale``.
+        cautious_weight_decay: decay only coordinates whose update has the parameter's
+            sign (the update already moves them toward zero), in both halves.
         betas, eps: AdamW moments and denominator epsilon.
         foreach, fused: passed to torch's AdamW implementation (``None`` = torch's
             default, so AdamW groups match ``torch.optim.AdamW`` exactly).
@@ -72,7 +93,12 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_dtype: DTypeSpec = "auto",
         ns_coefficients: CoefficientSpec = "jordan",
         ns_eps: float = 1e-7,
+        ns_method: str = "auto",
         update_scale: str = "match_rms_adamw",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        cautious_weight_decay: bool = False,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         foreach: bool | None = None,
@@ -89,7 +115,12 @@ class MuonAdamW(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
             ns_coefficients=ns_coefficients,
             ns_eps=ns_eps,
+            ns_method=ns_method,
             update_scale=update_scale,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
+            cautious_weight_decay=cautious_weight_decay,
             num_heads=None,
             flatten=False,
             betas=betas,
@@ -97,7 +128,7 @@ class MuonAdamW(torch.optim.Optimizer):
             foreach=foreach,
             fused=fused,
         )
-        _validate_options(defaults, where="MuonAdamW")
+        validate_options(defaults, where="MuonAdamW")
         if distributed not in (None, True, False):
             raise ValueError(f"MuonAdamW: distributed must be None, True or False, got "
                              f"{distributed!r}")
@@ -128,7 +159,7 @@ class MuonAdamW(torch.optim.Optimizer):
             )
         if not isinstance(param_group["use_muon"], bool):
             raise ValueError(f"{where}: 'use_muon' must be True or False")
-        _validate_options({**self.defaults, **param_group}, where=where)
+        validate_options({**self.defaults, **param_group}, where=where)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["use_muon"]:
@@ -146,6 +177,12 @@ class MuonAdamW(torch.optim.Optimizer):
                         f"{where}: parameter {name} cannot use Muon: {exc}; put 1-D and scalar "
                         "parameters in an AdamW group (use_muon=False)"
                     ) from None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, after giving groups saved before a
+        hyperparameter existed its old behaviour (:data:`LEGACY_HYPERPARAMETERS`)."""
+        groups = [{**LEGACY_HYPERPARAMETERS, **group} for group in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -201,15 +238,22 @@ class MuonAdamW(torch.optim.Optimizer):
         """Muon on ``params``: Newton–Schulz here (``comm`` None) or with one owner per
         matrix over ``comm``'s group. ``local_views``: the matrices are this rank's local
         pieces (batch-sharded stacks), not the global parameters."""
-        bufs = []
+        flatten = group["flatten"]
+        bufs, second_moments = [], []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 # A DTensor parameter gets a DTensor buffer: momentum is sharded like it.
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(local(state["momentum_buffer"]))
+            if group["normuon"]:
+                if "row_second_moment" not in state:
+                    state["row_second_moment"] = rows_state_like(
+                        p, second_moment_shape(p.shape, flatten=flatten),
+                        second_moment_shape(local(p).shape, flatten=flatten), dtype=p.dtype)
+                second_moments.append(local(state["row_second_moment"]))
         views = [matrix_view_shape(local(p).shape if local_views else p.shape,
-                                   num_heads=group["num_heads"], flatten=group["flatten"])
+                                   num_heads=group["num_heads"], flatten=flatten)
                  for p in params]
         ns = functools.partial(
             orthogonalize,
@@ -217,6 +261,7 @@ class MuonAdamW(torch.optim.Optimizer):
             ns_dtype=group["ns_dtype"],
             ns_coefficients=group["ns_coefficients"],
             ns_eps=group["ns_eps"],
+            ns_method=group["ns_method"],
         )
         if comm is None:
             ortho: Callable[[list[torch.Tensor]], list[torch.Tensor]] = functools.partial(
@@ -229,6 +274,14 @@ class MuonAdamW(torch.optim.Optimizer):
                                        [0.0] * dist.get_world_size(process_group)),
                 orthogonalize=ns,
             )
+        normalize = None
+        if group["normuon"]:
+            normalize = functools.partial(
+                normuon_normalize, second_moments=second_moments,
+                blocks=_row_blocks(params, views, comm, flatten=flatten),
+                beta2=group["normuon_beta2"], eps=group["normuon_eps"], flatten=flatten,
+                all_reduce=None if comm is None else functools.partial(
+                    dist.all_reduce, group=comm[0]))
         muon_update(
             [local(p) for p in params],
             [local(p.grad) for p in params],  # type: ignore[arg-type]
@@ -240,6 +293,8 @@ class MuonAdamW(torch.optim.Optimizer):
             nesterov=group["nesterov"],
             update_scale=group["update_scale"],
             orthogonalize=ortho,
+            normalize=normalize,
+            cautious_weight_decay=group["cautious_weight_decay"],
             foreach=self._foreach,
         )
 
@@ -263,6 +318,16 @@ class MuonAdamW(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
+        weight_decay = group["weight_decay"]
+        if group["cautious_weight_decay"] and weight_decay != 0.0:
+            # Adam's step has the sign of its new first moment (the denominator and bias
+            # correction are positive), so the mask is known before torch's AdamW runs;
+            # decay first, as torch's AdamW does, then its step without decay.
+            grads = [local(p.grad) for p in params]  # type: ignore[arg-type]
+            first_moments = torch._foreach_lerp([local(m) for m in exp_avgs], grads, 1.0 - beta1)
+            cautious_decay_([local(p) for p in params], first_moments,
+                            float(group["lr"]) * weight_decay)
+            weight_decay = 0.0
         _torch_adamw(
             params,
             [p.grad for p in params],  # type: ignore[misc]
@@ -276,7 +341,7 @@ class MuonAdamW(torch.optim.Optimizer):
             beta1=beta1,
             beta2=beta2,
             lr=group["lr"],
-            weight_decay=group["weight_decay"],
+            weight_decay=weight_decay,
             eps=group["eps"],
             maximize=False,
         )
@@ -286,49 +351,17 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _validate_options(options: dict[str, Any], *, where: str) -> None:
-    """Raise ``ValueError`` naming the offending option for any invalid hyperparameter."""
-
-    def number(name: str, *, low: float = 0.0, high: float | None = None,
-               high_inclusive: bool = False) -> None:
-        value = options[name]
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = float(value)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
-        too_high = high is not None and (value > high if high_inclusive else value >= high)
-        if value < low or too_high:
-            close = "]" if high_inclusive else ")"
-            bound = f"[{low}, {high}{close}" if high is not None else f">= {low}"
-            raise ValueError(f"{where}: {name} must be in {bound}, got {value!r}")
-
-    number("lr")
-    number("weight_decay")
-    number("momentum", high=1.0)
-    number("ns_eps")
-    number("eps")
-    betas = options["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, beta in enumerate(betas):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{where}: betas[{i}] must be in [0, 1), got {beta!r}")
-    if not isinstance(options["nesterov"], bool):
-        raise ValueError(f"{where}: nesterov must be True or False")
-    if options["update_scale"] not in UPDATE_SCALES:
-        raise ValueError(
-            f"{where}: unknown update_scale {options['update_scale']!r}; "
-            f"use one of {', '.join(UPDATE_SCALES)}"
-        )
-    try:
-        resolve_ns_dtype(options["ns_dtype"])
-        resolve_coefficients(options["ns_coefficients"], options["ns_steps"])
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    heads = options.get("num_heads")
-    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
-        raise ValueError(f"{where}: num_heads must be a positive integer or None, got {heads!r}")
-    if not isinstance(options.get("flatten", False), bool):
-        raise ValueError(f"{where}: flatten must be True or False")
+def _row_blocks(params: list[torch.Tensor], views: list[tuple[int, int, int]],
+                comm: tuple[Any, Any] | None, *, flatten: bool) -> list[RowBlocks]:
+    """Where each parameter's local rows sit among its orthogonalized matrices (NorMuon)."""
+    rank = None if comm is None else dist.get_rank(comm[0])
+    blocks = []
+    for i, (p, (batch, rows, _)) in enumerate(zip(params, views)):
+        layout = None if comm is None else comm[1][i]
+        if layout is None or layout.rows is None:  # the whole parameter is here
+            blocks.append(RowBlocks(0, rows, batch))
+            continue
+        rows_per_index = 1 if flatten else math.prod(p.shape[1:-1])  # rows per dim-0 index
+        start = layout.rows[rank][0]
+        blocks.append(RowBlocks(start * rows_per_index, rows, batch, sharded=True))
+    return blocks

@@ -81,6 +81,11 @@ class TrainConfig:
     """Newton–Schulz coefficient set."""
     muon_update_scale: UpdateScale = "match_rms_adamw"
     """How Muon's orthogonalized update is scaled per matrix."""
+    muon_normuon: bool = later(False)
+    """NorMuon: normalize each output neuron (row) of Muon's orthogonalized update by its
+    running RMS, at Muon's update size."""
+    cautious_weight_decay: bool = later(False)
+    """Decay only coordinates whose update has the parameter's sign (Muon and AdamW)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold (0: no clipping)."""
     # schedule
@@ -186,7 +191,8 @@ class TrainConfig:
             _number(self, name, low=0.0, high=1.0)
         _number(self, "min_lr_ratio", low=0.0, high=1.0, high_closed=True)
         for name in ("muon_nesterov", "qk_clip_enabled", "overfit_batch", "compile",
-                     "async_checkpoint", "document_masking"):
+                     "async_checkpoint", "document_masking", "muon_normuon",
+                     "cautious_weight_decay"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, allowed in choices(TrainConfig).items():

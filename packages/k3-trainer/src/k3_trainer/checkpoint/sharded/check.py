@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import k3_checkpoint
+from k3_checkpoint.layout import parameter_shaped
 
 from ...distributed import Parallel
 from .folder import META, file_entry
@@ -166,7 +167,8 @@ def _entry(entry: Any) -> str:
 def check_tensor_table(folder: Path, live: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless the folder's tensors fit the live model and optimizer:
     the same model entries with the same global shapes and dtypes, and optimizer state only
-    for live parameters, parameter-shaped wherever it is more than a scalar."""
+    for live parameters, parameter-shaped (or shaped like its leading dims: per-row
+    statistics) wherever it is more than a scalar."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -191,7 +193,8 @@ def check_tensor_table(folder: Path, live: dict[str, Any]) -> None:
         name, _, field = key[len("optimizer.state."):].rpartition(".")
         if name not in parameters:
             stray.append(key[len("optimizer.state."):])
-        elif len(shape) > 0 and shape != parameters[name] and torch.Size(shape).numel() > 1:
+        elif (len(shape) > 0 and torch.Size(shape).numel() > 1
+              and not parameter_shaped(shape, parameters[name])):
             wrong.append(f"{name}.{field} {list(shape)} vs {list(parameters[name])}")
     if stray:
         raise ValueError(f"optimizer state for parameters the optimizer lacks: "
