@@ -147,7 +147,8 @@ def test_forked_scores_equal_one_forward_per_choice(name):
 
 def test_a_vocabulary_that_cannot_encode_the_task_is_refused():
     tasks = DownstreamTasks(["arc_easy"], BytesCodec(), limit=3, bos=None)
-    with pytest.raises(TaskError, match=r"vocabulary \(100 tokens\) cannot encode document"):
+    with pytest.raises(TaskError, match=r"task arc_easy: document 'MCAS_2000_4_6': the model's "
+                       r"vocabulary \(100 tokens\) cannot encode token id 117"):
         tasks.check(100)
 
 

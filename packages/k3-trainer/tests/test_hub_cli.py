@@ -43,9 +43,10 @@ def _out(capsys, argv):
 def test_export_writes_the_weights_tokenizer_and_generation_config(run):
     out = run / "out"
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "configuration_kimi_k3.py", "generation_config.json",
+        "README.md", "config.json", "configuration_kimi_k3.py", "generation_config.json",
         "model.safetensors", "modeling_kimi_k3.py", "tokenizer.json",
-        "tokenizer_config.json"]  # the Kimi K3 form ships its modeling code
+        "tokenizer_config.json"]  # the Kimi K3 form ships its modeling code and says how
+    assert "pip install " in (out / "README.md").read_text()  # to install what it runs
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0xFF
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == \
         "<|endoftext|>"

@@ -43,7 +43,7 @@ from ..optim import build_optimizer
 from ..record import RunRecord
 from ..state import TrainState
 from ..trainer import Trainer
-from .hub import check_tokenizer, folder_codec, load_folder
+from .hub import check_tokenizer, folder_codec, load_folder, trained_with_document_masking
 from .resolve import (
     Plan,
     RunError,
@@ -220,6 +220,8 @@ class Opened:
     codec: Codec
     where: str
     max_seq_len: int | None
+    step: int | None = None
+    """The checkpoint's step (a run's; None: a hub folder)."""
 
 
 def open_model(run_dir: Path | None, folder: Path | None, step: int | None,
@@ -238,7 +240,7 @@ def open_model(run_dir: Path | None, folder: Path | None, step: int | None,
     checkpoint_at(run_dir, step)  # before run.json: the likelier miss
     restored = restore(run_dir, data, device, step)
     return Opened(restored.model, restored.codec(), f"step {restored.state.step}",
-                  restored.max_seq_len)
+                  restored.max_seq_len, restored.state.step)
 
 
 def checkpoint_at(run_dir: Path, step: int | None) -> Path:
@@ -273,7 +275,8 @@ def pretrained(folder: Path, data: Path | None, device: torch.device,
                flag: str = "--model", sources: tuple[Source, ...] = ()) -> Restored:
     """A hub folder's model with the validation data it is evaluated on (``--data``, or a
     mixture of ``sources``, prepared with the folder's tokenizer), read with the default
-    recipe's batch shape and validation budget."""
+    recipe's batch shape and validation budget, and with documents kept apart when the
+    folder says its model was trained so."""
     if sources:
         data = sources[0].path
     if data is None:
@@ -284,7 +287,8 @@ def pretrained(folder: Path, data: Path | None, device: torch.device,
     model_config = getattr(model, "config", None)
     longest = getattr(model_config, "max_seq_len", None)
     seq_len = TrainConfig().seq_len
-    config = TrainConfig(seq_len=min(seq_len, longest) if isinstance(longest, int) else seq_len)
+    config = TrainConfig(seq_len=min(seq_len, longest) if isinstance(longest, int) else seq_len,
+                         document_masking=trained_with_document_masking(folder))
     data_loaders = loaders(config, model_config, data, None, sources)
     note = check_tokenizer(folder, load_codec(data, read_manifest(data)), data, flag)
     if note is not None:
