@@ -79,6 +79,9 @@ def test_every_file_an_export_writes_is_one_the_rule_recognises(export, tmp_path
 
 @pytest.mark.parametrize(("arrange", "named"), [
     (lambda out: (out / "notes.txt").write_text("mine"), "notes.txt"),
+    # named like a shard, but more: a shard's whole name, or not an export's file
+    (lambda out: (out / "model-00001-of-00002.safetensors.orig").write_bytes(b"1"),
+     "model-00001-of-00002.safetensors.orig"),
     (lambda out: (out / "drafts").mkdir(), "drafts/"),
     (lambda out: (out / "README.md").write_text("# my model card"), "README.md"),
     # the export's own card, edited by hand: the edit is someone's, never replaced
