@@ -85,3 +85,31 @@ def test_one_update_reads_the_host_at_most_accumulation_plus_two_times(
     counts = [b - a for a, b in itertools.pairwise(per_update)]
     assert len(counts) == 5
     assert max(counts) <= accumulation + 2, (counts, calls)
+
+
+def test_a_mixtures_loss_by_source_reads_the_host_only_at_the_log(data_dir):
+    """Each row's loss goes to its source's sums on the device: a mixture's update reads the
+    host no more than one dataset's."""
+    from k3_trainer.data import MixtureLoader, Source
+
+    config = train_config(max_steps=6, log_interval=6, eval_interval=6, checkpoint_interval=6)
+    model, opt, _, _ = build_parts(config, data_dir, HYBRID)
+    sources = [Source("a", data_dir, 0.6), Source("b", data_dir, 0.4)]
+    loaders = tuple(MixtureLoader(sources, split, config.batch_size, config.seq_len)
+                    for split in ("train", "val"))
+    calls: list[str] = []
+    per_update: list[int] = []
+    adam_steps: set[int] = set()
+
+    class CountPerUpdate(Callback):
+        def on_step_end(self, trainer, stats) -> None:
+            per_update.append(len(calls))
+            adam_steps.update(id(s["step"]) for s in opt.state.values()
+                              if isinstance(s.get("step"), torch.Tensor) and s["step"].ndim == 0)
+
+    trainer = Trainer(model, opt, loaders, config, callbacks=[CountPerUpdate()])
+    assert trainer.by_source is not None
+    with counting_host_reads(calls, adam_steps):
+        trainer.fit()
+    counts = [b - a for a, b in itertools.pairwise(per_update)]
+    assert len(counts) == 5 and max(counts) <= 1 + 2, (counts, calls)
