@@ -160,3 +160,50 @@ def test_validation_keeps_documents_apart_when_training_does(small_dir):  # noqa
     plain = evaluate_split(model, val, "cpu", 1).loss
     assert abs(masked - plain) > 1e-4  # the validation rows hold several documents
     assert logged == pytest.approx(masked, rel=1e-6)
+
+
+class _Recording(torch.nn.Module):
+    """The model behind the trainer, recording each training forward's rows (their summed
+    token losses and sources) and making the gradient of chosen calls overflow."""
+
+    def __init__(self, inner, loader, overflow: set[int]) -> None:
+        super().__init__()
+        self.inner, self.loader, self.overflow = inner, loader, overflow
+        self.config = inner.config
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x, targets=None, reduction="mean"):
+        logits, loss = self.inner(x, targets=targets, reduction=reduction)
+        if self.training:
+            call = len(self.calls) + 1
+            self.calls.append((call, loss.detach().double().sum(dim=1),
+                               self.loader.row_sources().clone()))
+            if call in self.overflow:
+                loss.register_hook(lambda g: g * float("inf"))
+        return logits, loss
+
+
+def test_a_skipped_update_leaves_the_sources_losses_out(data_dir, small_dir):  # noqa: F811
+    """An FP16 overflow skips an attempt: its rows count in no source's loss, as its loss
+    counts in no window's."""
+    from k3_trainer import FP16SkipHarness, Trainer
+
+    config = train_config(max_steps=2, log_interval=2, eval_interval=100,
+                          checkpoint_interval=100)
+    model, optimizer, _, _ = build_parts(config, data_dir)
+    sources = [Source("web", data_dir, 0.5), Source("code", small_dir, 0.5)]
+    train, val = (MixtureLoader(sources, split, config.batch_size, config.seq_len)
+                  for split in ("train", "val"))
+    recording = _Recording(model, train, overflow={2})
+    log = MetricsLog(None)
+    Trainer(recording, optimizer, (train, val), config, callbacks=[log],
+            grad_scaler=FP16SkipHarness(init_scale=2.0**8)).fit()
+    assert [e["step"] for e in log.events if e["event"] == "overflow"] == [2]
+    kept = [c for c in recording.calls if c[0] != 2]  # calls 1 and 3: steps 1 and 2
+    expected = {}
+    for index, name in enumerate(["web", "code"]):
+        total = sum(float(rows[sources == index].sum()) for _, rows, sources in kept)
+        count = sum(int((sources == index).sum()) for _, _, sources in kept) * config.seq_len
+        expected[name] = total / count
+    (event,) = [e for e in log.events if e["event"] == "train"]
+    assert event["loss_by_source"] == pytest.approx(expected, rel=1e-9)
