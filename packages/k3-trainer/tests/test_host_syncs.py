@@ -64,6 +64,17 @@ def test_one_update_reads_the_host_at_most_accumulation_plus_two_times(
                           log_interval=6, eval_interval=6, checkpoint_interval=6,
                           qk_clip_tau=1.0)  # tau low: heads are clipped every step
     model, opt, tl, vl = build_parts(config, data_dir, HYBRID)
+    counts = _reads_per_update(lambda callback: Trainer(
+        model, opt, (tl, vl), config, callbacks=[callback],
+        grad_scaler=FP16SkipHarness(init_scale=2.0**8) if scaler else None), opt)
+    assert len(counts) == 5
+    assert max(counts) <= accumulation + 2, counts
+
+
+def _reads_per_update(build, opt) -> list[int]:
+    """The host reads of each update but the first of ``build(callback)``'s fit: between
+    two on_step_end calls lies exactly one update (the final step's log, eval and
+    checkpoint come after the last call and are not counted)."""
     calls: list[str] = []
     per_update: list[int] = []
     # torch's AdamW keeps each parameter's `step` counter on the host (non-capturable
@@ -76,15 +87,10 @@ def test_one_update_reads_the_host_at_most_accumulation_plus_two_times(
             adam_steps.update(id(s["step"]) for s in opt.state.values()
                               if isinstance(s.get("step"), torch.Tensor) and s["step"].ndim == 0)
 
-    trainer = Trainer(model, opt, (tl, vl), config, callbacks=[CountPerUpdate()],
-                      grad_scaler=FP16SkipHarness(init_scale=2.0**8) if scaler else None)
+    trainer = build(CountPerUpdate())
     with counting_host_reads(calls, adam_steps):
         trainer.fit()
-    # Between two on_step_end calls lies exactly one update; the final step's log, eval
-    # and checkpoint come after the last call and are not counted.
-    counts = [b - a for a, b in itertools.pairwise(per_update)]
-    assert len(counts) == 5
-    assert max(counts) <= accumulation + 2, (counts, calls)
+    return [b - a for a, b in itertools.pairwise(per_update)]
 
 
 def test_a_mixtures_loss_by_source_reads_the_host_only_at_the_log(data_dir):
@@ -97,19 +103,12 @@ def test_a_mixtures_loss_by_source_reads_the_host_only_at_the_log(data_dir):
     sources = [Source("a", data_dir, 0.6), Source("b", data_dir, 0.4)]
     loaders = tuple(MixtureLoader(sources, split, config.batch_size, config.seq_len)
                     for split in ("train", "val"))
-    calls: list[str] = []
-    per_update: list[int] = []
-    adam_steps: set[int] = set()
+    trainers: list[Trainer] = []
 
-    class CountPerUpdate(Callback):
-        def on_step_end(self, trainer, stats) -> None:
-            per_update.append(len(calls))
-            adam_steps.update(id(s["step"]) for s in opt.state.values()
-                              if isinstance(s.get("step"), torch.Tensor) and s["step"].ndim == 0)
+    def build(callback):
+        trainers.append(Trainer(model, opt, loaders, config, callbacks=[callback]))
+        return trainers[-1]
 
-    trainer = Trainer(model, opt, loaders, config, callbacks=[CountPerUpdate()])
-    assert trainer.by_source is not None
-    with counting_host_reads(calls, adam_steps):
-        trainer.fit()
-    counts = [b - a for a, b in itertools.pairwise(per_update)]
-    assert len(counts) == 5 and max(counts) <= 1 + 2, (counts, calls)
+    counts = _reads_per_update(build, opt)
+    assert trainers[0].by_source is not None
+    assert len(counts) == 5 and max(counts) <= 1 + 2, counts
