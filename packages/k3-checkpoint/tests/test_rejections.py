@@ -329,3 +329,30 @@ def test_per_row_state_is_parameter_shaped_and_other_shapes_are_not():
     assert not parameter_shaped((16,), (64, 16))
     assert not parameter_shaped((), (64, 16))
     assert not parameter_shaped((64, 16, 1), (64, 16))
+
+
+class _AdamWGrownAKey(torch.optim.AdamW):
+    """An optimizer that gained ``amsgrad`` after a checkpoint was written, and fills it in
+    with the behaviour such a checkpoint had when it loads one (as MuonAdamW does)."""
+
+    legacy_hyperparameters = {"amsgrad": False}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = [{**self.legacy_hyperparameters, **g} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
+
+def test_a_key_the_optimizer_fills_in_may_be_missing_from_an_older_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.k3"
+    source = make_run(seed=0)
+    source.step()
+    save_checkpoint(path, **source.save_kwargs())
+    saved = run_fingerprint(source)
+    rewrite(path, lambda p: p["optimizer"]["param_groups"][0].pop("amsgrad"))
+    grown = lambda m: _AdamWGrownAKey(m.parameters(), lr=3e-3, weight_decay=0.1)  # noqa: E731
+    live = make_run(seed=1, optimizer=grown)
+    # (the subclass is another optimizer type, which the policy allows here)
+    load_checkpoint(path, **live.load_kwargs(), policy=CompatibilityPolicy(
+        may_differ={"optimizer_type"}))
+    assert live.optimizer.param_groups[0]["amsgrad"] is False
+    assert run_fingerprint(live)["optimizer"] == saved["optimizer"]

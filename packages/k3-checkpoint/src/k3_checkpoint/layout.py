@@ -90,7 +90,9 @@ def check_optimizer_state(
 
     Checks what ``load_state_dict`` assumes without checking: the same number of groups and of
     parameters per group, the same hyperparameter keys per group (so no setting silently keeps
-    a constructor default), distinct parameter ids, state only for known parameters, and every
+    a constructor default; keys the optimizer declares in ``legacy_hyperparameters`` may be
+    missing from an older checkpoint, as its ``load_state_dict`` fills them), distinct
+    parameter ids, state only for known parameters, and every
     multi-element state tensor shaped like its parameter (or like its leading dims: per-row
     statistics, as NorMuon keeps). ``layout`` (the live one, already
     compared with the checkpoint's) names parameters in messages. Optimizers whose state is
@@ -114,9 +116,12 @@ def check_optimizer_state(
                 f"optimizer group {index} parameters: checkpoint {len(saved_group['params'])}, "
                 f"current {len(live_group['params'])}"
             )
+        # Keys an optimizer added after the checkpoint was written, and fills in with their
+        # old behaviour when it loads it (MuonAdamW.legacy_hyperparameters).
+        filled = set(getattr(optimizer, "legacy_hyperparameters", ()))
         only_saved, only_live = (
             set(saved_group) - set(live_group),
-            set(live_group) - set(saved_group),
+            set(live_group) - set(saved_group) - filled,
         )
         if only_saved or only_live:
             raise CheckpointError(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,11 @@ class MuonAdamW(torch.optim.Optimizer):
         process_group: the group for plain tensors with ``distributed=True`` (default:
             the default group); DTensor parameters use their device mesh's group.
     """
+
+    legacy_hyperparameters: ClassVar[Mapping[str, Any]] = LEGACY_HYPERPARAMETERS
+    """Group keys a state dict saved by an earlier k3-optim may lack, with the behaviour it
+    had; a checkpoint loader that compares group keys (k3-checkpoint's) accepts their
+    absence, since :meth:`load_state_dict` fills them in."""
 
     def __init__(
         self,
@@ -180,7 +185,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, after giving groups saved before a
-        hyperparameter existed its old behaviour (:data:`LEGACY_HYPERPARAMETERS`)."""
+        hyperparameter existed its old behaviour (:attr:`legacy_hyperparameters`)."""
         groups = [{**LEGACY_HYPERPARAMETERS, **group} for group in state_dict["param_groups"]]
         super().load_state_dict({**state_dict, "param_groups": groups})
 
