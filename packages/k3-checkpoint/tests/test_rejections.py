@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -335,7 +335,7 @@ class _AdamWGrownAKey(torch.optim.AdamW):
     """An optimizer that gained ``amsgrad`` after a checkpoint was written, and fills it in
     with the behaviour such a checkpoint had when it loads one (as MuonAdamW does)."""
 
-    legacy_hyperparameters = {"amsgrad": False}
+    legacy_hyperparameters: ClassVar[dict[str, Any]] = {"amsgrad": False}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = [{**self.legacy_hyperparameters, **g} for g in state_dict["param_groups"]]
