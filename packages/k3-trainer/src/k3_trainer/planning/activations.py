@@ -24,7 +24,9 @@ kept; the backward rebuilds one block at a time (that block's full activations, 
 as a transient). Context parallelism divides the tokens by ``cp``; each MLA layer also
 keeps the gathered latents of earlier slices, ``(r + ρ)·T`` elements at bf16.
 Autocast over fp32 parameters also saves a bf16 copy of every weight a forward
-multiplies by (under FSDP: the gathered, unsharded weight), per microbatch in flight.
+multiplies by (under FSDP: the gathered, unsharded weight), per microbatch in flight;
+with checkpointing only the unchecked ends' weights, and each block's input once more
+in bf16 (``2·d`` bytes per token and block).
 """
 
 from __future__ import annotations

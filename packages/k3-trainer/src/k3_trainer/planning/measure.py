@@ -49,5 +49,5 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = forward()
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     return sum(seen.values())

@@ -4,7 +4,8 @@ the trainer allocates them.
 Each non-expert parameter is FSDP2-sharded over ``dp·cp`` ranks along its first
 dimension as ``torch.chunk`` splits it (rank 0 gets ``⌈rows/n⌉`` rows: the most loaded
 rank); routed-expert stacks ``(E, out, in)`` are split ``ep`` ways by expert and kept
-whole on each of their ``dp·cp/ep`` replicas. With ``sharding="zero1"`` parameters and
+whole on each of their ``dp·cp/ep`` replicas (without expert parallelism they are
+sharded like the rest). With ``sharding="zero1"`` parameters and
 gradients stay replicated and only the optimizer state (and the fp32 master) is
 sharded. Per parameter and element, by ``precision``:
 
@@ -50,7 +51,7 @@ def local_numel(p: Parameter, *, shard: int, ep: int, rank: int = 0) -> int:
     """Elements of ``p`` on FSDP rank ``rank`` of ``shard`` (expert stacks: ``E/ep``)."""
     rows = p.shape[0] if p.shape else 1
     per_row = p.numel // rows if rows else 0
-    if p.expert:
+    if p.expert and ep > 1:
         return rows // ep * per_row
     return chunk_rows(rows, shard, rank) * per_row
 

@@ -126,9 +126,10 @@ class Plan:
 
 
 def make_plan(inv: Inventory, layout: ParallelLayout, gpu: GPU,
-              options: Options = Options()) -> Plan:
+              options: Options | None = None) -> Plan:
     """The plan of ``layout`` for the model of ``inv`` (validated first: a layout that
     cannot run raises :class:`~.layout.LayoutError`)."""
+    options = options or Options()
     config: K3Config = inv.config
     validate_layout(layout, n_blocks=config.n_layers,
                     n_experts=config.n_experts if config.mlp == "moe" else None)
@@ -151,7 +152,12 @@ def make_plan(inv: Inventory, layout: ParallelLayout, gpu: GPU,
         saved += act.cp_gathered_bytes(config, blocks, layout.seq_len, micro_batch,
                                        layout.cp)
         if options.precision == "bf16":  # autocast's bf16 copy of each fp32 weight
-            saved += 2 * matmul_weights(inv, owned, ep=layout.ep)
+            if options.checkpointing:  # blocks rebuild theirs; their inputs also in bf16
+                ends = owned - set(blocks)
+                saved += 2 * matmul_weights(inv, ends, ep=layout.ep)
+                saved += 2 * config.d_model * len(blocks) * tokens
+            else:
+                saved += 2 * matmul_weights(inv, owned, ep=layout.ep)
         buffers = 0
         if options.checkpointing:
             buffers += act.recompute_bytes(config, blocks, tokens, layout.seq_len,

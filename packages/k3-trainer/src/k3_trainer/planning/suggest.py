@@ -18,10 +18,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def suggest(inv: Inventory, world_size: int, global_batch: int, base: ParallelLayout,
-            gpu: GPU, options: Options = Options(), *, limit: int = 10) -> list[Plan]:
+            gpu: GPU, options: Options | None = None, *, limit: int = 10) -> list[Plan]:
     """The ``limit`` best layouts of ``world_size`` GPUs for ``global_batch`` sequences
     per step (``grad_accum`` and ``seq_len`` from ``base``; microbatches: ``base``'s, at
     least ``pp``; stages per rank: ``base``'s)."""
+    options = options or Options()
     config = inv.config
     plans: list[Plan] = []
     for pp in _divisors(world_size):
