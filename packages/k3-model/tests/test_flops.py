@@ -112,3 +112,31 @@ def test_preset_counts_match_the_built_model(name):
 def test_flops_per_token_rejects_a_bad_sequence_length():
     with pytest.raises(ValueError, match="seq_len"):
         flops_per_token(PRESETS["tiny"], 0)
+
+
+@pytest.mark.parametrize("name, total, active, kda, mla", [
+    ("kimi-linear-48b-a3b", 49.12e9, 3.48e9, 20, 7),
+    ("kimi-k3", 2.779e12, 105.0e9, 69, 24),
+])
+def test_published_sizes_count_like_their_meta_model(name, total, active, kda, mla):
+    """The published presets, built on the meta device (nothing allocated): the arithmetic
+    total is the model's numel sum, and the active count is that sum with each MoE layer's
+    routed expert stacks taken at top_k/n_experts (a token uses top_k of them)."""
+    import torch
+
+    from k3_model.moe import Experts
+
+    config = PRESETS[name]
+    with torch.device("meta"):
+        model = K3Model(config)
+    numel = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for m in model.modules() if isinstance(m, Experts)
+                 for p in m.parameters())
+    count = count_parameters(config)
+    assert count.total == numel
+    assert routed % config.n_experts == 0
+    assert count.active == numel - routed + routed // config.n_experts * config.moe_top_k
+    assert count.total == pytest.approx(total, rel=1e-3)
+    assert count.active == pytest.approx(active, rel=1e-2)
+    kinds = config.layer_types()
+    assert (kinds.count("kda"), kinds.count("mla")) == (kda, mla)

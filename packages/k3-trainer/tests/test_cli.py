@@ -207,10 +207,10 @@ def test_train_flags_are_generated_from_the_documented_config_fields(capsys):
     assert "--compile, --no-compile torch.compile each decoder block" in text
     assert "(default: off)" in text and "(default: cosine)" in text
     assert "--precision {fp32,bf16,fp16}" in text
-    assert "--preset {tiny,small,base,kimi-linear-tiny,kimi-linear-48b-a3b}" in text
+    assert "--preset {tiny,small,base,kimi-linear-tiny,kimi-linear-48b-a3b,kimi-k3}" in text
     unwrapped = text.replace("- ", "-")  # argparse may wrap a line after a hyphen
     assert ("(default: the preset's; tiny 256, small 32768, base 65536, kimi-linear-tiny 256, "
-            "kimi-linear-48b-a3b 163840)") in unwrapped
+            "kimi-linear-48b-a3b 163840, kimi-k3 163840)") in unwrapped
 
 
 @pytest.mark.parametrize("argv, field, value", [

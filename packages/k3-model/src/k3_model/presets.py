@@ -9,6 +9,11 @@ experts, SiTU-GLU.
 | tiny  | CPU demo and tests | 1.37 M (0.92 M) | 3 + 1, 4 heads   | 8/2, 1, 64 of 128        |
 | small | CPU or small GPU   | 52 M (37 M)     | 6 + 2, 6 heads   | 16/2, 1, 192 of 384      |
 | base  | one GPU            | 1.04 B (0.36 B) | 12 + 4, 16 heads | 64/6, 2, 512 of 1024     |
+| kimi-k3 | planning (meta) | 2.78 T (105 B) | 69 + 24, 96 heads | 896/16, 2, 3584 of 7168 |
+
+Two presets carry published shapes, for planning on the meta device (``k3-train plan``)
+or loading published weights: ``kimi-linear-48b-a3b`` (Moonshot's Kimi Linear 48B-A3B)
+and ``kimi-k3`` (the Kimi K3 card).
 
 Override any field, e.g. ``preset("small", vocab_size=50304)`` to match a tokenizer, or
 ``preset("tiny", attention="mla")`` for an all-MLA model of equal width (RoPE, no gate).
@@ -82,6 +87,20 @@ PRESETS: Mapping[str, K3Config] = MappingProxyType(
             v_head_dim=128, d_ff=9216,
             n_experts=256, moe_top_k=8, n_shared_experts=1, moe_d_ff=1024,
             routed_scaling=2.446, loss_chunk_size=2048,
+        ),
+        # Kimi K3's published shape (the model card: 93 layers, 69 KDA + 24 Gated MLA,
+        # hidden 7168, 96 heads, LatentMoE 896 experts top-16 + 2 shared, latent 3584,
+        # expert width 3072, vocab 160K, AttnRes blocks of 12, context 1M; ~2.7 T
+        # parameters, 5.4 TB of bf16 weights): for planning on the meta device. The card
+        # does not give the dense first layer's width (K2's 18432 here), nor KDA's head
+        # width (128, Kimi Linear's, 96 heads) or the shared experts' (the expert width).
+        "kimi-k3": K3Config(
+            vocab_size=163840, d_model=7168, n_layers=93, n_heads=96, max_seq_len=1048576,
+            **_K3, attn_res_block_size=12, kda_head_dim=128,
+            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128, d_ff=18432,
+            n_experts=896, moe_top_k=16, n_shared_experts=2, moe_d_ff=3072,
+            moe_latent_dim=3584, loss_chunk_size=2048,
         ),
     }
 )

@@ -281,6 +281,69 @@ class LmEvalCommand:
 
 
 @dataclass(frozen=True)
+class PlanCommand:
+    preset: str | None = option(None, metavar="NAME", group="model")
+    """a model preset (e.g. kimi-k3, kimi-linear-48b-a3b, base)"""
+    model: Path | None = option(None, metavar="DIR", group="model")
+    """a hub folder's config.json (Kimi Linear / K3 form)"""
+    config: Path | None = option(None, metavar="FILE", group="model")
+    """a TOML config file (its preset and [model] table)"""
+    nodes: int = option(1, parse=positive_int, metavar="N")
+    """nodes of the cluster"""
+    gpus_per_node: int = option(8, parse=positive_int, metavar="N")
+    """GPUs per node"""
+    dp: int | None = option(None, parse=positive_int, metavar="N")
+    """data-parallel (FSDP) degree (default: the GPUs over pp·cp)"""
+    ep: int = option(1, parse=positive_int, metavar="N")
+    """expert-parallel degree (divides dp·cp)"""
+    pp: int = option(1, parse=positive_int, metavar="N")
+    """pipeline ranks"""
+    pp_stages_per_rank: int = option(1, parse=positive_int, metavar="V")
+    """pipeline stages per rank (interleaved 1F1B when > 1)"""
+    pp_microbatches: int | None = option(None, parse=positive_int, metavar="M")
+    """microbatches per step through the pipeline (default: pp)"""
+    cp: int = option(1, parse=positive_int, metavar="N")
+    """context-parallel degree (splits each sequence)"""
+    batch_size: int = option(1, parse=positive_int, metavar="N")
+    """sequences per data-parallel rank per forward/backward (cut into the microbatches)"""
+    seq_len: int = option(4096, parse=positive_int, metavar="T")
+    """tokens per sequence"""
+    grad_accum: int = option(1, parse=positive_int, metavar="N")
+    """batches accumulated per optimizer step"""
+    precision: str = option("bf16", metavar="fp32|bf16|bf16-master")
+    """fp32; bf16 (K3 Train's: fp32 parameters under bf16 autocast); bf16-master (bf16
+    parameters, fp32 master in the optimizer)"""
+    sharding: str = option("fsdp", metavar="fsdp|zero1")
+    """fsdp shards parameters, gradients and optimizer state over dp·cp; zero1 only the
+    optimizer state"""
+    activation_checkpointing: bool = False
+    """recompute each block in the backward (keep only its input)"""
+    normuon: bool = False
+    """MuonAdamW with NorMuon (one more fp32 value per matrix row)"""
+    gpu: str = option("h200", metavar="h100|h200|b200|mi300x")
+    """the GPU (memory and dense bf16 peak from k3_trainer.planning.gpus)"""
+    gpu_memory: float | None = option(None, metavar="GB")
+    """GPU memory in GB (10^9 bytes), instead of --gpu's"""
+    peak_tflops: float | None = option(None, metavar="TFLOPS")
+    """dense bf16 peak, instead of --gpu's"""
+    headroom: float = option(0.1, metavar="F")
+    """fraction of GPU memory kept free for what the plan cannot know (fragmentation,
+    NCCL buffers, kernel workspaces)"""
+    mfu: float = option(0.4, parse=probability, metavar="F")
+    """assumed model FLOPs utilization for the step time"""
+    tokens: float | None = option(None, metavar="N")
+    """training tokens, for the days it takes (e.g. 1e12)"""
+    decode_batch: int = option(0, metavar="N")
+    """also count a decoding cache of N sequences"""
+    decode_context: int = option(0, metavar="T")
+    """... of T tokens each"""
+    suggest: bool = False
+    """list the layouts of the GPUs that fit, best first"""
+    json: bool = False
+    """print one JSON object instead of the table"""
+
+
+@dataclass(frozen=True)
 class Subcommand:
     """One row of the table: its options, its one-line help, the module that runs it (a
     ``run(options, notes)`` in :mod:`k3_trainer.cli`, imported once the arguments parse)."""
@@ -304,6 +367,8 @@ COMMANDS: dict[str, Subcommand] = {
                           "describe"),
     "report": Subcommand(ReportCommand, "plot a run's metrics into RUN_DIR/report/",
                          "report"),
+    "plan": Subcommand(PlanCommand, "memory per GPU, FLOPs and step time of a layout, and "
+                       "the layouts that fit (--suggest)", "plan"),
     "lm-eval": Subcommand(LmEvalCommand, "score a run or a hub folder with "
                           "lm-evaluation-harness (the k3 backend; needs lm-eval)", "lm_eval"),
 }

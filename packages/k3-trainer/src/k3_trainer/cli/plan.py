@@ -1,0 +1,124 @@
+"""``k3-train plan``: memory per GPU, FLOPs and step time of a layout, or the layouts that
+fit (``--suggest``), from a preset, a hub folder or a config file; nothing allocated."""
+
+from __future__ import annotations
+
+import json
+
+from k3_model import K3Config
+
+from ..config import ConfigError
+from ..planning import LayoutError, Options, ParallelLayout, gpu, inventory, make_plan, suggest
+from ..planning.plan import Plan
+from .options import PlanCommand
+
+GiB = 2**30
+
+
+def model_config(command: PlanCommand) -> K3Config:
+    """The model of ``--preset``, ``--model DIR`` or ``--config FILE`` (exactly one)."""
+    given = [x is not None for x in (command.preset, command.model, command.config)]
+    if sum(given) != 1:
+        raise ConfigError("plan: give exactly one of --preset NAME, --model DIR, --config FILE")
+    from k3_model.presets import preset
+
+    try:
+        if command.preset is not None:
+            return preset(command.preset)
+        if command.model is not None:
+            from k3_model.hub import from_hub_config
+
+            return from_hub_config(json.loads((command.model / "config.json").read_text()))
+        from ..session.config_file import read_toml
+
+        data = read_toml(command.config)
+        fields = data.get("model", {})
+        return preset(data.get("preset", "tiny"), **fields)
+    except ValueError as exc:
+        raise ConfigError(f"plan: {exc}") from None
+
+
+def _layout(command: PlanCommand, world: int) -> ParallelLayout:
+    pp, cp = command.pp, command.cp
+    if command.dp is None and world % (pp * cp):
+        raise ConfigError(f"plan: {world} GPUs do not divide into pp·cp = {pp * cp}; "
+                          "change --pp or --cp")
+    dp = command.dp if command.dp is not None else world // (pp * cp)
+    return ParallelLayout(dp=dp, ep=command.ep, pp=pp, cp=cp,
+                          stages_per_rank=command.pp_stages_per_rank,
+                          microbatches=command.pp_microbatches or pp,
+                          batch_size=command.batch_size, seq_len=command.seq_len,
+                          grad_accum=command.grad_accum)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GiB:,.1f} GiB"
+
+
+def _lines(plan: Plan, tokens: float | None) -> list[str]:
+    lay = plan.layout
+    out = [f"layout dp {lay.dp} × pp {lay.pp} (×{lay.stages_per_rank} stages/rank, "
+           f"{lay.microbatches} microbatches, bubble {lay.bubble:.1%}) × cp {lay.cp}, ep "
+           f"{lay.ep} = {lay.world_size} GPUs; {lay.global_tokens:,} tokens/step"]
+    for s in plan.stages:
+        out.append(
+            f"  stage {s.stage} (rank {s.pp_rank}, blocks {s.blocks[0]}–{s.blocks[-1]}): "
+            f"params {_gb(s.params_bytes)}, grads {_gb(s.grads_bytes)}, optimizer "
+            f"{_gb(s.optimizer_bytes)}, activations {_gb(s.activations_bytes)}, buffers "
+            f"{_gb(s.buffers_bytes)}" + (f", decode cache {_gb(s.decode_cache_bytes)}"
+                                         if s.decode_cache_bytes else "")
+            + f" = {_gb(s.total_bytes)}")
+    verdict = "fits" if plan.fits else "does NOT fit"
+    out.append(f"  peak {_gb(plan.peak_bytes)} per GPU of {_gb(plan.gpu.memory_bytes)} "
+               f"({plan.gpu.name}, {plan.options.headroom:.0%} headroom): {verdict}")
+    out.append(f"  {plan.flops_per_step:.3e} FLOPs/step; at {plan.options.mfu:.0%} MFU "
+               f"{plan.step_time_s:.2f} s/step, {plan.tokens_per_s:,.0f} tokens/s"
+               + (f", {plan.days(tokens):.1f} days for {tokens:.3g} tokens" if tokens else ""))
+    return out
+
+
+def run(command: PlanCommand, notes: tuple[str, ...] = ()) -> int:
+    config = model_config(command)
+    inv = inventory(config)
+    try:
+        device = gpu(command.gpu, command.gpu_memory, command.peak_tflops)
+    except ValueError as exc:
+        raise ConfigError(f"plan: {exc}") from None
+    if not 0 <= command.headroom < 1:
+        raise ConfigError(f"plan: --headroom must be in [0, 1), got {command.headroom}")
+    options = Options(precision=command.precision, sharding=command.sharding,
+                      checkpointing=command.activation_checkpointing,
+                      normuon=command.normuon, mfu=command.mfu, headroom=command.headroom,
+                      decode_batch=command.decode_batch, decode_context=command.decode_context)
+    world = command.nodes * command.gpus_per_node
+    layout = _layout(command, world)
+    try:
+        if layout.world_size != world:
+            raise LayoutError(f"dp·cp·pp = {layout.world_size} but --nodes × "
+                              f"--gpus-per-node = {world}; change --dp")
+        plans = (suggest(inv, world, layout.batch_size * layout.dp, layout, device, options)
+                 if command.suggest else [make_plan(inv, layout, device, options)])
+    except (LayoutError, ValueError) as exc:
+        raise ConfigError(f"plan: {exc}") from None
+    head = {"model": {"params": inv.total, "active_params": inv.active}}
+    if command.json:
+        if command.suggest:
+            layouts = []
+            for p in plans:
+                d = p.to_dict()
+                layouts.append({**d["layout"], **d, "layout": None})
+            print(json.dumps({**head, **(plans[0].to_dict() if plans else {}),
+                              "layouts": layouts}))
+        else:
+            print(json.dumps(plans[0].to_dict()))
+        return 0
+    print(f"model: {inv.total:,} parameters ({inv.total / 1e9:,.2f} B), "
+          f"{inv.active:,} active per token ({inv.active / 1e9:,.2f} B)")
+    if command.suggest and not plans:
+        print("no layout of these GPUs is valid for this model and batch")
+    for plan in plans:
+        print("\n".join(_lines(plan, command.tokens)))
+    return 0
+
+
+__all__ = ["model_config", "run"]
