@@ -1,5 +1,5 @@
 """k3-train plan's figures against what a real step allocates (one process here; FSDP2
-and EP2 in test_planning_ranks.py), and the layout refusals."""
+and EP2 in the workspace's tests/test_planning_ranks.py), and the layout refusals."""
 
 from __future__ import annotations
 

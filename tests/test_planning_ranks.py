@@ -1,0 +1,61 @@
+"""``k3-train plan``'s model-state bytes against what each of 2 ranks really holds (torchrun,
+gloo, FSDP2; with and without ``--expert-parallel 2``; Muon and NorMuon): parameters,
+gradients and optimizer state to the byte, for rank 0 (the plan's most loaded rank) and
+rank 1. One torchrun launch (tests/planning_worker.py). Deselect with
+``-m 'not distributed'``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from planning_worker import OVERRIDES
+from test_distributed_training import (
+    TESTS,
+    TORCHRUN,
+    _run,
+    distributed,
+    needs_torchrun,
+    one_launch_at_a_time,
+)
+
+from k3_model.presets import preset
+from k3_trainer.planning import Options, ParallelLayout, gpu, inventory, make_plan
+from k3_trainer.planning.inventory import FIRST, LAST
+from k3_trainer.planning.memory import state_bytes
+
+pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("planning")
+    done = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2",
+                 TESTS / "planning_worker.py", out], timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("normuon", [False, True])
+@pytest.mark.parametrize("name, ep", [("fsdp2", 1), ("fsdp2+ep2", 2)])
+def test_state_bytes_of_each_rank_equal_a_real_step_to_the_byte(measured, name, ep, normuon):
+    config = preset("tiny", **OVERRIDES)
+    inv = inventory(config)
+    options = Options(precision="fp32", normuon=normuon)
+    plan = make_plan(inv, ParallelLayout(dp=2, ep=ep, seq_len=16), gpu("h100"), options)
+    (stage,) = plan.stages
+    key = name + ("+normuon" if normuon else "")
+    real = [ranks[key] for ranks in measured]
+    assert (stage.params_bytes, stage.grads_bytes, stage.optimizer_bytes) == (
+        real[0]["params"], real[0]["grads"], real[0]["optimizer"])
+    everything = set(range(config.n_layers)) | {FIRST, LAST}
+    other = state_bytes(inv, everything, shard=2, ep=ep, precision="fp32",
+                        normuon=normuon, rank=1)
+    assert (other.params, other.grads, other.optimizer) == (
+        real[1]["params"], real[1]["grads"], real[1]["optimizer"])
+    # The two ranks' FSDP shards make the whole model; expert stacks are halved by EP.
+    whole = state_bytes(inv, everything, shard=1, ep=1, precision="fp32", normuon=normuon)
+    assert real[0]["params"] > real[1]["params"]  # the odd rows: rank 0 is the most loaded
+    if ep == 1:
+        assert real[0]["params"] + real[1]["params"] == whole.params
