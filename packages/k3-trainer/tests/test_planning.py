@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from k3_model import K3Model, flops_per_token
+from k3_model import K3Model, count_parameters, flops_per_token
+from k3_model.moe import Experts
 from k3_model.presets import preset
 from k3_trainer.cli import main
 from k3_trainer.config import TrainConfig
@@ -78,25 +79,42 @@ def test_activations_within_ten_percent_of_what_autograd_saves(checkpointing, bf
     assert plan.stages[0].activations_bytes == pytest.approx(measured, rel=0.10)
 
 
-def test_flops_within_two_percent_of_torch_flop_counter():
-    """The matmul part: FlopCounterMode counts every mm/bmm/grouped GEMM of a real
-    forward and backward (the KDA chunk products included); flops_per_token's other
-    terms (softmax attention at full length, KDA's triangular solve) are the rest."""
-    config = preset("tiny", kda_backend="torch")
+def _counted_flops(config, batch, seq):
+    """FlopCounterMode's counts by operator over a real forward and backward. The routed
+    experts run their per-expert loop (``F.linear``): the counter has no formula for
+    ``grouped_mm`` (torch 2.13) and would miss them; the FLOPs are the same."""
     torch.manual_seed(0)
     model = K3Model(config)
-    batch, seq = 2, 128
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.use_grouped_mm = False
     x = torch.randint(0, config.vocab_size, (batch, seq + 1))
     with FlopCounterMode(display=False) as counter:
         _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
+    return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(kda_output_gate_rank=16, q_lora_rank=32,
+                                                n_shared_experts=2, moe_top_k=3)])
+def test_flops_within_two_percent_of_torch_flop_counter(overrides):
+    """The weight matmuls (``6·N_matmul`` per token) equal the counter's ``mm`` plus three
+    times its forward depthwise convolutions (forward, input and weight gradients) to
+    the FLOP. The counter's ``convolution_backward`` is not used: torch 2.13's formula
+    ignores ``groups`` and counts a depthwise convolution's weight gradient as a dense
+    one (channels times too many). With the activation products (MLA's scores and
+    values, KDA's chunk terms: ``bmm``/``baddbmm``) the whole is within 2%."""
+    config = preset("tiny", kda_backend="torch", **overrides)
+    batch, seq = 2, 128
+    ops = _counted_flops(config, batch, seq)
+    tokens = batch * seq
+    conv = ops.get("aten.convolution", 0)
+    assert 6 * count_parameters(config).matmul * tokens == ops["aten.mm"] + 3 * conv
+    counted = sum(ops.values()) - ops.get("aten.convolution_backward", 0) + 2 * conv
     plan = make_plan(inventory(config), ParallelLayout(batch_size=batch, seq_len=seq),
                      gpu("h100"))
-    assert plan.flops_per_step == flops_per_token(config, seq) * batch * seq
-    # 3.3% under on tiny: the counter also sees matmuls the model-FLOPs convention leaves
-    # out (AttnRes reads, QK-Clip's observation); the issue's 2% is not reached yet.
-    counted = counter.get_total_flops()
-    assert 0.95 * counted <= plan.flops_per_step <= counted
+    assert plan.flops_per_step == flops_per_token(config, seq) * tokens
+    assert plan.flops_per_step == pytest.approx(counted, rel=0.02)
 
 
 def test_pipeline_stages_split_blocks_and_state_sums_to_the_whole():
