@@ -4,6 +4,7 @@ and EP2 in the workspace's tests/test_planning_ranks.py), and the layout refusal
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from k3_trainer.cli import main
 from k3_trainer.config import TrainConfig
 from k3_trainer.optim import build_optimizer
 from k3_trainer.planning import (
+    GPU,
     LayoutError,
     Options,
     ParallelLayout,
@@ -23,6 +25,7 @@ from k3_trainer.planning import (
     inventory,
     make_plan,
     stage_blocks,
+    suggest,
     validate_layout,
 )
 from k3_trainer.planning.measure import saved_activation_bytes, state_nbytes
@@ -182,3 +185,84 @@ def test_an_impossible_layout_is_refused_by_the_command(capsys):
     assert main(["plan", "--preset", "tiny", "--nodes", "1", "--gpus-per-node", "2",
                  "--pp", "2", "--pp-microbatches", "1"]) == 2
     assert "microbatches" in capsys.readouterr().err
+
+
+def _exact_gpu(nbytes):
+    return GPU("test", nbytes, 1e15)
+
+
+def test_suggest_searches_checkpointing_and_the_batch_split_and_says_which():
+    """Without a pipeline: no checkpointing at the fewest accumulation splits that fit,
+    then more splits, then block checkpointing; nothing fits: the smallest, marked."""
+    inv = inventory(preset("tiny"))
+    base = ParallelLayout(seq_len=256)
+    exact = Options(headroom=0.0)
+
+    def peak(batch, accum, checkpointing):
+        layout = replace(base, batch_size=batch, grad_accum=accum)
+        return make_plan(inv, layout, _exact_gpu(10**12),
+                         replace(exact, checkpointing=checkpointing)).peak_bytes
+
+    whole, halves, singles = peak(8, 1, False), peak(4, 2, False), peak(1, 8, False)
+    checkpointed = peak(1, 8, True)
+    assert whole > halves > singles > checkpointed
+    fewest = min(a for a in (1, 2, 4, 8) if peak(8 // a, a, True) < singles)
+    for memory, accum, checkpointing, fits in [(whole, 1, False, True),
+                                                (whole - 1, 2, False, True),
+                                                (singles, 8, False, True),
+                                                (singles - 1, fewest, True, True),
+                                                (checkpointed - 1, 8, True, False)]:
+        (best,) = suggest(inv, 1, 8, base, _exact_gpu(memory), exact)
+        assert (best.layout.grad_accum, best.layout.batch_size) == (accum, 8 // accum)
+        assert (best.options.checkpointing, best.fits) == (checkpointing, fits)
+        assert best.layout.global_tokens == 8 * 256
+
+
+def test_suggest_takes_the_most_microbatches_with_a_pipeline():
+    inv = inventory(preset("tiny"))
+    plans = suggest(inv, 2, 8, ParallelLayout(seq_len=64), gpu("h100"), limit=100)
+    piped = [p for p in plans if p.layout.pp == 2]
+    assert piped and all(p.layout.microbatches == 8 and p.layout.batch_size == 8
+                         for p in piped)
+    assert {p.layout.stages_per_rank for p in piped} == {1, 2}
+    assert all(p.layout.cp == 1 for p in plans)  # context parallelism only when asked
+    assert any(p.layout.cp == 2 for p in suggest(inv, 2, 8, ParallelLayout(seq_len=64),
+                                                 gpu("h100"), limit=100, max_cp=2))
+
+
+def test_communication_bytes_follow_the_documented_formulas():
+    config = preset("tiny")
+    inv = inventory(config)
+    fsdp = make_plan(inv, ParallelLayout(dp=2, seq_len=64), gpu("h100"),
+                     Options(precision="fp32"))
+    # all-gather forward and backward (fp32) + reduce-scatter (fp32), half of it leaving
+    assert fsdp.extra["comm_overlapped_bytes"] == inv.total * (2 * 4 + 4) / 2
+    assert fsdp.extra["comm_exposed_bytes"] == 0
+    ep = make_plan(inv, ParallelLayout(dp=2, ep=2, batch_size=2, seq_len=64), gpu("h100"),
+                   Options(precision="fp32"))
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layers))
+    assert ep.extra["comm_exposed_bytes"] == (
+        moe_layers * 4 * 2 * 64 * config.moe_top_k * config.moe_width * 2 / 2)
+    experts = sum(p.numel for p in inv.parameters if p.expert)
+    assert ep.extra["comm_overlapped_bytes"] == (inv.total - experts) * 12 / 2  # 1 replica
+    slow = make_plan(inv, ParallelLayout(dp=2, ep=2, batch_size=2, seq_len=64), gpu("h100"),
+                     Options(precision="fp32", network_gbps=0.001))
+    assert slow.step_time_s > ep.step_time_s
+
+
+def test_the_memory_line_names_the_budget_and_the_checkpointing(capsys):
+    assert main(["plan", "--preset", "tiny", "--nodes", "1", "--gpus-per-node", "1",
+                 "--gpu", "h200", "--seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "against a budget of 118.2 GiB (H200 SXM 141GB: 131.3 GiB less 10% headroom)" \
+        in out
+    assert "activation checkpointing none: fits" in out
+
+
+@pytest.mark.slow
+def test_kimi_k3_on_512_h200_has_layouts_that_fit(capsys):
+    assert main(["plan", "--preset", "kimi-k3", "--nodes", "64", "--gpus-per-node", "8",
+                 "--gpu", "h200", "--suggest", "--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    assert layouts[0]["fits"] and layouts[0]["peak_bytes"] <= layouts[0]["budget_bytes"]
+    assert all(x["dp"] * x["pp"] * x["cp"] == 512 for x in layouts)

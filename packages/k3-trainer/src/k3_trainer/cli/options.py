@@ -303,7 +303,7 @@ class PlanCommand:
     pp_microbatches: int | None = option(None, parse=positive_int, metavar="M")
     """microbatches per step through the pipeline (default: pp)"""
     cp: int = option(1, parse=positive_int, metavar="N")
-    """context-parallel degree (splits each sequence)"""
+    """context-parallel degree (splits each sequence); with --suggest, the most it tries"""
     batch_size: int = option(1, parse=positive_int, metavar="N")
     """sequences per data-parallel rank per forward/backward (cut into the microbatches)"""
     seq_len: int = option(4096, parse=positive_int, metavar="T")
@@ -331,6 +331,8 @@ class PlanCommand:
     NCCL buffers, kernel workspaces)"""
     mfu: float = option(0.4, parse=probability, metavar="F")
     """assumed model FLOPs utilization for the step time"""
+    network_gbps: float = option(400.0, metavar="GBPS")
+    """network bandwidth per GPU in Gb/s, for the FSDP and expert all-to-all time"""
     tokens: float | None = option(None, metavar="N")
     """training tokens, for the days it takes (e.g. 1e12)"""
     decode_batch: int = option(0, metavar="N")
@@ -338,7 +340,8 @@ class PlanCommand:
     decode_context: int = option(0, metavar="T")
     """... of T tokens each"""
     suggest: bool = False
-    """list the layouts of the GPUs that fit, best first"""
+    """list the layouts of the GPUs that fit, best first (searching activation
+    checkpointing and the batch split too)"""
     json: bool = False
     """print one JSON object instead of the table"""
 

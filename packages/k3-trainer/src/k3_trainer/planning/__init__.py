@@ -2,8 +2,9 @@
 layouts that fit (``k3-train plan``). One concept per module: :mod:`.inventory` (the
 model's parameters, read from the meta device), :mod:`.layout` (degrees and the
 refusals the trainer uses at launch), :mod:`.memory` (model state per rank),
-:mod:`.activations`, :mod:`.gpus`, :mod:`.plan` (one layout's figures), :mod:`.suggest`
-and :mod:`.measure` (what a real step allocates, for the tests)."""
+:mod:`.activations`, :mod:`.comm` (bytes sent per step), :mod:`.gpus`, :mod:`.plan`
+(one layout's figures), :mod:`.suggest` and :mod:`.measure` (what a real step
+allocates, for the tests)."""
 
 from .gpus import GPU, GPUS, gpu
 from .inventory import Inventory, Parameter, inventory

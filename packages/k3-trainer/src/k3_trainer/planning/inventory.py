@@ -10,6 +10,7 @@ are checked against these sums in the tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -34,7 +35,7 @@ class Parameter:
     expert: bool
     muon: bool
 
-    @property
+    @cached_property
     def numel(self) -> int:
         n = 1
         for size in self.shape:
@@ -55,6 +56,18 @@ class Inventory:
     @property
     def n_blocks(self) -> int:
         return self.config.n_layers
+
+    @cached_property
+    def by_block(self) -> dict[int, tuple[Parameter, ...]]:
+        """The parameters of each block index (a search plans thousands of layouts)."""
+        out: dict[int, list[Parameter]] = {}
+        for p in self.parameters:
+            out.setdefault(p.block, []).append(p)
+        return {block: tuple(params) for block, params in out.items()}
+
+    def of(self, blocks: set[int]) -> list[Parameter]:
+        """The parameters of ``blocks``, in model order within each block."""
+        return [p for block in sorted(blocks) for p in self.by_block.get(block, ())]
 
 
 def _block_of(name: str) -> int:

@@ -79,25 +79,24 @@ def state_bytes(inv: Inventory, blocks: set[int], *, shard: int, ep: int, precis
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
     total = StateBytes()
-    for p in inv.parameters:
-        if p.block in blocks:
-            total = total + parameter_bytes(p, shard=shard, ep=ep, precision=precision,
-                                            sharding=sharding, normuon=normuon, rank=rank)
+    for p in inv.of(blocks):
+        total = total + parameter_bytes(p, shard=shard, ep=ep, precision=precision,
+                                        sharding=sharding, normuon=normuon, rank=rank)
     return total
 
 
 def matmul_weights(inv: Inventory, blocks: set[int], *, ep: int) -> int:
     """Elements of the ≥2-D weights in ``blocks`` as a forward multiplies by them
     (unsharded; expert stacks at their ``E/ep`` local experts): what autocast copies."""
-    return sum(local_numel(p, shard=1, ep=ep) for p in inv.parameters
-               if p.block in blocks and len(p.shape) >= 2 and "embed" not in p.name)
+    return sum(local_numel(p, shard=1, ep=ep) for p in inv.of(blocks)
+               if len(p.shape) >= 2 and "embed" not in p.name)
 
 
 def largest_block_bytes(inv: Inventory, blocks: set[int], *, precision: str) -> int:
     """The biggest block's unsharded non-expert parameters: what FSDP gathers at once."""
     weight = 2 if precision == "bf16-master" else 4
     sizes: dict[int, int] = {}
-    for p in inv.parameters:
-        if p.block in blocks and not p.expert:
+    for p in inv.of(blocks):
+        if not p.expert:
             sizes[p.block] = sizes.get(p.block, 0) + p.numel * weight
     return max(sizes.values(), default=0)

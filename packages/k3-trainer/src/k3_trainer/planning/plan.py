@@ -12,7 +12,14 @@ the GPU's memory kept free: a layout fits when its total is at most
 
 FLOPs per step are :func:`k3_model.flops_per_token` (``6·N_matmul`` plus the softmax
 attention and KDA chunk terms, its module documents them) times the step's tokens; the
-step time is ``FLOPs / (world · peak · MFU) / (1 − bubble)``.
+step time is ``compute / (1 − bubble) + max(0, overlapped − compute) + exposed`` with
+``compute = (FLOPs + recomputed) / (world · peak · MFU)`` and the communication terms
+of :mod:`.comm` at ``network_gbps``, where
+``recomputed`` is zero without activation checkpointing and, with block checkpointing,
+the blocks' forward once more (a third of their training FLOPs: all but the output
+head's ``6·V·d`` per token). The MFU is the assumed fraction of peak the GPUs deliver on
+the FLOPs they execute; kernel launch gaps, load imbalance and the communication
+:mod:`.comm` does not count are inside that one input.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from k3_model import K3Config, flops_per_token
 from k3_model.cache import cache_bytes_formula
 
 from . import activations as act
+from .comm import traffic
 from .gpus import GPU
 from .inventory import FIRST, LAST, Inventory
 from .layout import ParallelLayout, stage_blocks, validate_layout
@@ -46,6 +54,8 @@ class Options:
     decode_context: int = 0
     scores: bool = False
     """Count softmax attention's score matrix (unfused attention, as on CPU)."""
+    network_gbps: float = 400.0
+    """Network bandwidth per GPU in Gb/s for the communication terms (:mod:`.comm`)."""
 
 
 @dataclass(frozen=True)
@@ -92,11 +102,15 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        """The most loaded rank's total (each pipeline rank sums its stages)."""
-        per_rank: dict[int, int] = {}
+        """The most loaded rank's total: each pipeline rank sums its stages' state,
+        activations and caches, and adds the largest of their transient buffers (one
+        stage runs at a time)."""
+        held: dict[int, int] = {}
+        transient: dict[int, int] = {}
         for s in self.stages:
-            per_rank[s.pp_rank] = per_rank.get(s.pp_rank, 0) + s.total_bytes
-        return max(per_rank.values())
+            held[s.pp_rank] = held.get(s.pp_rank, 0) + s.total_bytes - s.buffers_bytes
+            transient[s.pp_rank] = max(transient.get(s.pp_rank, 0), s.buffers_bytes)
+        return max(held[r] + transient[r] for r in held)
 
     @property
     def budget_bytes(self) -> int:
@@ -122,7 +136,8 @@ class Plan:
                 "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes,
                 "fits": self.fits, "flops_per_step": self.flops_per_step,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "tokens_per_step": lay.global_tokens}
+                "tokens_per_step": lay.global_tokens, "network_gbps": self.options.network_gbps,
+                **self.extra}
 
 
 def make_plan(inv: Inventory, layout: ParallelLayout, gpu: GPU,
@@ -175,8 +190,21 @@ def make_plan(inv: Inventory, layout: ParallelLayout, gpu: GPU,
                 cache += options.decode_batch * one[kind] * here // max(1, kinds.count(kind))
         stages.append(StagePlan(s, pp_rank, list(blocks), states.params, states.grads,
                                 states.optimizer, saved * in_flight, buffers, cache))
-    flops = float(flops_per_token(config, layout.seq_len)) * layout.global_tokens
-    step = flops / (layout.world_size * gpu.peak_flops * options.mfu) / (1 - layout.bubble)
+    per_token = flops_per_token(config, layout.seq_len)
+    flops = float(per_token) * layout.global_tokens
+    executed = flops
+    if options.checkpointing:
+        head = 6 * config.vocab_size * config.d_model
+        executed += (per_token - head) / 3 * layout.global_tokens
+    compute = executed / (layout.world_size * gpu.peak_flops * options.mfu)
+    sent = traffic(inv, layout, precision=options.precision, sharding=options.sharding)
+    bandwidth = options.network_gbps * 1e9 / 8
+    overlapped, exposed = sent.overlapped_bytes / bandwidth, sent.exposed_bytes / bandwidth
+    step = compute / (1 - layout.bubble) + max(0.0, overlapped - compute) + exposed
     plan = Plan(layout, gpu, options, inv.total, inv.active, stages, flops, step,
-                layout.global_tokens / step, fits=True)
+                layout.global_tokens / step, fits=True,
+                extra={"comm_overlapped_bytes": sent.overlapped_bytes,
+                       "comm_exposed_bytes": sent.exposed_bytes,
+                       "compute_time_s": compute, "comm_overlapped_s": overlapped,
+                       "comm_exposed_s": exposed})
     return replace(plan, fits=plan.peak_bytes <= plan.budget_bytes)
