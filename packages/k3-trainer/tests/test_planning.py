@@ -218,12 +218,17 @@ def test_suggest_searches_checkpointing_and_the_batch_split_and_says_which():
         assert best.layout.global_tokens == 8 * 256
 
 
-def test_suggest_takes_the_most_microbatches_with_a_pipeline():
+def test_suggest_keeps_the_fastest_microbatch_count_and_sharding_with_a_pipeline():
     inv = inventory(preset("tiny"))
     plans = suggest(inv, 2, 8, ParallelLayout(seq_len=64), gpu("h100"), limit=100)
     piped = [p for p in plans if p.layout.pp == 2]
-    assert piped and all(p.layout.microbatches == 8 and p.layout.batch_size == 8
-                         for p in piped)
+    assert piped and all(p.layout.batch_size == 8 for p in piped)
+    for best in piped:
+        for micro in (2, 4, 8):
+            for sharding in ("fsdp", "zero1"):
+                other = make_plan(inv, replace(best.layout, microbatches=micro), gpu("h100"),
+                                  replace(best.options, sharding=sharding))
+                assert other.tokens_per_s <= best.tokens_per_s
     assert {p.layout.stages_per_rank for p in piped} == {1, 2}
     assert all(p.layout.cp == 1 for p in plans)  # context parallelism only when asked
     assert any(p.layout.cp == 2 for p in suggest(inv, 2, 8, ParallelLayout(seq_len=64),
@@ -256,7 +261,7 @@ def test_the_memory_line_names_the_budget_and_the_checkpointing(capsys):
     out = capsys.readouterr().out
     assert "against a budget of 118.2 GiB (H200 SXM 141GB: 131.3 GiB less 10% headroom)" \
         in out
-    assert "activation checkpointing none: fits" in out
+    assert "fsdp, activation checkpointing none: fits" in out
 
 
 @pytest.mark.slow

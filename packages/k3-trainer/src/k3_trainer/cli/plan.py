@@ -80,8 +80,8 @@ def _lines(plan: Plan, tokens: float | None) -> list[str]:
     checkpointing = "block" if plan.options.checkpointing else "none"
     out.append(f"  peak {_gb(plan.peak_bytes)} per GPU against a budget of "
                f"{_gb(plan.budget_bytes)} ({plan.gpu.name}: {_gb(plan.gpu.memory_bytes)} less "
-               f"{plan.options.headroom:.0%} headroom), activation checkpointing "
-               f"{checkpointing}: {verdict}")
+               f"{plan.options.headroom:.0%} headroom), {plan.options.sharding}, activation "
+               f"checkpointing {checkpointing}: {verdict}")
     extra = plan.extra
     out.append(f"  sends {extra['comm_overlapped_bytes'] / 1e9:,.1f} GB/step overlapped with "
                f"compute (FSDP), {extra['comm_exposed_bytes'] / 1e9:,.1f} GB exposed (expert "
@@ -153,14 +153,16 @@ def _table(plans: list[Plan], world: int) -> list[str]:
            f"{lay.seq_len:,} tokens per step ({lay.global_tokens:,} tokens), budget "
            f"{_gb(first.budget_bytes)} per GPU, at {first.options.mfu:.0%} MFU; best first "
            "(v: stages per rank; micro: microbatches, or gradient-accumulation splits "
-           "without a pipeline; ckpt: activation checkpointing):",
-           f"  {'dp':>5} {'pp':>3} {'v':>2} {'cp':>3} {'ep':>4} {'micro':>5} {'ckpt':>5} "
+           "without a pipeline; shard: fsdp or zero1; ckpt: activation checkpointing):",
+           f"  {'dp':>5} {'pp':>3} {'v':>2} {'cp':>3} {'ep':>4} {'micro':>5} {'shard':>5} "
+           f"{'ckpt':>5} "
            f"{'peak GiB':>9} {'fits':>4} {'bubble':>6} {'tokens/s':>11} {'days/T tok':>10}"]
     for p in plans:
         a = p.layout
         micro = a.microbatches if a.pp > 1 else a.grad_accum
         out.append(f"  {a.dp:>5} {a.pp:>3} {a.stages_per_rank:>2} {a.cp:>3} {a.ep:>4} "
-                   f"{micro:>5} {'block' if p.options.checkpointing else 'none':>5} "
+                   f"{micro:>5} {p.options.sharding:>5} "
+                   f"{'block' if p.options.checkpointing else 'none':>5} "
                    f"{p.peak_bytes / GiB:>9,.1f} {'yes' if p.fits else 'NO':>4} "
                    f"{a.bubble:>6.1%} {p.tokens_per_s:>11,.0f} {p.days(1e12):>10,.1f}")
     return out

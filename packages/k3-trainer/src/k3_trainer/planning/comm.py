@@ -5,12 +5,14 @@ distinguished, so groups that fit in a node are charged too much).
 
 For the most loaded pipeline rank (the first), over its stages' parameters:
 
-- FSDP over ``n = dp·cp`` ranks: per gradient-accumulation split, an all-gather in the
-  forward and again in the backward (``W`` bytes per weight element: 4, or 2 with a bf16
-  master) and a reduce-scatter of fp32 gradients, each moving ``(n − 1)/n`` of the
-  stage's unsharded bytes. A pipeline's microbatches are charged one gather per split
-  (a stage kept gathered across its microbatches, as torchtitan does). These overlap the
-  compute: only what exceeds it adds to the step.
+- FSDP over ``n = dp·cp`` ranks: per forward/backward pass (each gradient-accumulation
+  split, and with a pipeline each microbatch), an all-gather in the forward and again in
+  the backward (``W`` bytes per weight element: 4, or 2 with a bf16 master) and a
+  reduce-scatter of fp32 gradients, each moving ``(n − 1)/n`` of the stage's unsharded
+  bytes: the memory plan holds one gathered block and its prefetch, not a whole stage
+  kept gathered across microbatches, so the gathers repeat. With ``zero1``: one
+  reduce-scatter and one all-gather per step. These overlap the compute: only what
+  exceeds it adds to the step.
 - Expert stacks under ``ep > 1`` are not FSDP-sharded: their gradients are all-reduced
   over the ``dp·cp/ep`` replicas once per step (``2·(r − 1)/r`` of their fp32 bytes).
 - The expert all-to-alls: per MoE layer and microbatch, dispatch and combine in the
@@ -50,8 +52,9 @@ def traffic(inv: Inventory, layout: ParallelLayout, *, precision: str,
             {LAST} if s == layout.stages - 1 else set())
     n = layout.shard_degree
     weight = 2 if precision == "bf16-master" else 4
-    gathers = 1 if sharding == "zero1" else 2 * layout.grad_accum
-    reduces = 1 if sharding == "zero1" else layout.grad_accum
+    passes = layout.grad_accum * (layout.microbatches if layout.pp > 1 else 1)
+    gathers = 1 if sharding == "zero1" else 2 * passes
+    reduces = 1 if sharding == "zero1" else passes
     overlapped = 0.0
     for p in inv.of(owned):
         if p.expert and layout.ep > 1:

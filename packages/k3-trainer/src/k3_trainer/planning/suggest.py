@@ -2,24 +2,26 @@
 
 Every ``(pp, stages per rank, cp, ep, dp)`` with ``dp·cp·pp`` = the GPUs that
 :func:`~.layout.validate_layout` accepts, at a fixed global batch (``global_batch``
-sequences of ``base.seq_len`` per step, times ``base.grad_accum``). For each, what the
-plan's formulas favour is tried first and the first that fits is kept:
+sequences of ``base.seq_len`` per step, times ``base.grad_accum``). For each, the
+fastest plan that fits is kept, over:
 
-- without activation checkpointing before block checkpointing (which re-runs each
-  block's forward: a third more FLOPs in the blocks);
-- with a pipeline, the most microbatches the rank's batch splits into (one sequence
-  each): in these formulas more microbatches shrink both the bubble and the activations
-  in flight; what a smaller matmul loses in kernel efficiency is not modelled;
-- without a pipeline, the fewest gradient-accumulation splits of the rank's batch that
-  fit (the step's tokens are the same; fewer splits keep the matmuls large).
+- the sharding: FSDP (parameters, gradients and optimizer state over ``dp·cp``; its
+  gathers repeat every microbatch) or ZeRO-1 (only the optimizer state; one gather and
+  one reduce-scatter per step, more memory), the trade :mod:`.comm` prices;
+- activation checkpointing, none or block (which re-runs each block's forward: a third
+  more FLOPs in the blocks);
+- the batch split: with a pipeline, the microbatches the rank's batch divides into (at
+  least ``pp``: more shrink the bubble and the activations in flight, and repeat FSDP's
+  gathers); without, the gradient-accumulation splits (more hold fewer activations).
 
 Stages per rank are 1 or 2 (interleaved 1F1B). Context parallelism is searched only up
 to ``max_cp`` (``--cp``; default 1): its exchanges, and KDA's state handed from slice to
 slice, are not timed, so at a fixed global batch it would look like a free way to trade
 data parallelism for more pipeline microbatches. Ranking: fitting layouts first, by
-tokens per second (bubble and recomputation are what separate them at one MFU), then
-fewer context-parallel ranks, then the lower peak memory; layouts that fit nowhere
-follow, lowest peak first. Communication time is not modelled (it is inside the MFU).
+tokens per second (bubble, recomputation and the communication :mod:`.comm` counts),
+then fewer context-parallel ranks, then the lower peak memory; layouts that fit nowhere
+follow, lowest peak first. What a smaller microbatch loses in kernel efficiency is not
+modelled.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import replace
 from .gpus import GPU
 from .inventory import Inventory
 from .layout import LayoutError, ParallelLayout
+from .memory import SHARDINGS
 from .plan import Options, Plan, make_plan
 
 STAGES_PER_RANK = (1, 2)
@@ -40,31 +43,36 @@ def _divisors(n: int) -> list[int]:
 
 
 def _candidates(layout: ParallelLayout, per_rank: int) -> Iterator[ParallelLayout]:
-    """Batch splits of one layout, the plan's preferred first."""
-    if layout.pp > 1:
-        yield replace(layout, batch_size=per_rank, microbatches=per_rank)
-        return
+    """Batch splits of one layout: with a pipeline, every microbatch count (at least
+    ``pp``) the rank's batch divides into; without, every accumulation split."""
     for splits in _divisors(per_rank):
-        yield replace(layout, batch_size=per_rank // splits, microbatches=1,
-                      grad_accum=layout.grad_accum * splits)
+        if layout.pp > 1:
+            if splits >= layout.pp:
+                yield replace(layout, batch_size=per_rank, microbatches=splits)
+        else:
+            yield replace(layout, batch_size=per_rank // splits, microbatches=1,
+                          grad_accum=layout.grad_accum * splits)
 
 
 def _best(inv: Inventory, layout: ParallelLayout, per_rank: int, gpu: GPU,
           options: Options) -> Plan | None:
-    """The first plan that fits, without checkpointing before with; else the smallest."""
+    """The fastest plan of ``layout`` that fits over the sharding, checkpointing and
+    batch split; when none fits, the one with the smallest peak."""
+    fastest: Plan | None = None
     smallest: Plan | None = None
-    for checkpointing in (False, True):
-        for candidate in _candidates(layout, per_rank):
-            try:
-                plan = make_plan(inv, candidate, gpu,
-                                 replace(options, checkpointing=checkpointing))
-            except LayoutError:
-                continue
-            if plan.fits:
-                return plan
-            if smallest is None or plan.peak_bytes < smallest.peak_bytes:
-                smallest = plan
-    return smallest
+    for sharding in SHARDINGS:
+        for checkpointing in (False, True):
+            for candidate in _candidates(layout, per_rank):
+                try:
+                    plan = make_plan(inv, candidate, gpu, replace(
+                        options, sharding=sharding, checkpointing=checkpointing))
+                except LayoutError:
+                    continue
+                if plan.fits and (fastest is None or plan.tokens_per_s > fastest.tokens_per_s):
+                    fastest = plan
+                if smallest is None or plan.peak_bytes < smallest.peak_bytes:
+                    smallest = plan
+    return fastest or smallest
 
 
 def suggest(inv: Inventory, world_size: int, global_batch: int, base: ParallelLayout,
