@@ -271,3 +271,23 @@ def test_kimi_k3_on_512_h200_has_layouts_that_fit(capsys):
     layouts = json.loads(capsys.readouterr().out)["layouts"]
     assert layouts[0]["fits"] and layouts[0]["peak_bytes"] <= layouts[0]["budget_bytes"]
     assert all(x["dp"] * x["pp"] * x["cp"] == 512 for x in layouts)
+
+
+def test_train_says_the_plans_memory_line_for_its_own_layout(tmp_path, data_dir, capsys):
+    from trainer_helpers import cli_run, small_toml
+
+    from k3_model import K3Config
+    from k3_trainer.planning.launch import gib, memory_line
+
+    run = cli_run(tmp_path, data_dir, small_toml(train=dict(
+        batch_size=2, seq_len=16, activation_checkpointing="block")), 1)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "plan: params" in x]
+    record = json.loads((run / "run.json").read_text())
+    config = K3Config.from_dict(record["model_config"])
+    expected = memory_line(config, world_size=1, mode="none", expert_parallel=1, batch_size=2,
+                           seq_len=16, grad_accum=1, precision="fp32", checkpointing=True,
+                           normuon=False, device_memory=None)
+    assert lines == [f"k3-train: {expected}"]
+    (stage,) = make_plan(inventory(config), ParallelLayout(batch_size=2, seq_len=16),
+                         gpu("h100"), Options(precision="fp32", checkpointing=True)).stages
+    assert f"= {gib(stage.total_bytes)} per rank" in expected and "MiB" in expected

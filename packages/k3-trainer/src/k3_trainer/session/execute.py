@@ -171,6 +171,9 @@ def execute(
         say(f"resumed from step {trainer.state.step} ({trainer.state.tokens_seen:,} tokens seen)")
     for note in (*plan.notes, *horizon_notes(config, horizon_unset=plan.horizon_unset)):
         say(f"note: {note}")
+    planned = _planned_memory(plan, device, parallel)
+    if planned is not None:
+        say(planned)
     if phase is not None and plan.phase_before is not None:
         jump = phase_lr_warning(phase.name, plan.phase_before, config, trainer.state.step)
         if jump is not None:  # a warning, not a refusal: the phase starts all the same
@@ -190,6 +193,28 @@ def execute(
     if report is not None and report.written is not None:
         result(f"report in {report.written}")
     return 0
+
+
+def _planned_memory(plan: Plan, device: torch.device, parallel: Parallel | None) -> str | None:
+    """``k3-train plan``'s memory line for this run's layout (K3 models; None for others),
+    from the meta-device model: no allocation, a fraction of a second for the presets."""
+    from k3_model import K3Config
+
+    if not isinstance(plan.model_config, K3Config):
+        return None
+    from ..planning.launch import memory_line
+
+    config = plan.config
+    memory = (torch.cuda.get_device_properties(device).total_memory
+              if device.type == "cuda" else None)
+    return memory_line(
+        plan.model_config,
+        world_size=1 if parallel is None else parallel.world_size,
+        mode="none" if parallel is None else parallel.mode,
+        expert_parallel=config.expert_parallel, batch_size=config.batch_size,
+        seq_len=config.seq_len, grad_accum=config.gradient_accumulation_steps,
+        precision=config.precision, checkpointing=config.activation_checkpointing == "block",
+        normuon=config.muon_normuon, device_memory=memory)
 
 
 def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:

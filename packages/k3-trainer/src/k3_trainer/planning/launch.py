@@ -1,0 +1,43 @@
+"""The plan's memory line for the run ``k3-train train`` is starting: the same formulas
+as ``k3-train plan``, for the trainer's own layout, so the figure a run was sized with
+is in its log beside what it then allocates."""
+
+from __future__ import annotations
+
+from k3_model import K3Config
+
+from .gpus import GPU
+from .inventory import inventory
+from .layout import ParallelLayout
+from .plan import Options, make_plan
+
+GiB, MiB = 2**30, 2**20
+
+
+def gib(n: int) -> str:
+    """Bytes in GiB, or in MiB below one GiB (a small model's line stays readable)."""
+    return f"{n / GiB:,.2f} GiB" if n >= GiB else f"{n / MiB:,.1f} MiB"
+
+
+def memory_line(model_config: K3Config, *, world_size: int, mode: str, expert_parallel: int,
+                batch_size: int, seq_len: int, grad_accum: int, precision: str,
+                checkpointing: bool, normuon: bool, device_memory: int | None) -> str:
+    """One line: this rank's planned parameters, gradients, optimizer state, activations
+    and buffers (``mode`` ``none``/``ddp``/``fsdp``; DDP counted replicated, an upper
+    bound for Muon's state), against ``device_memory`` bytes when known (a GPU)."""
+    fsdp = mode == "fsdp"
+    layout = ParallelLayout(dp=world_size if fsdp else 1, ep=expert_parallel if fsdp else 1,
+                            batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum)
+    gpu = GPU("this device", device_memory or 1, 1.0)
+    plan = make_plan(inventory(model_config), layout, gpu, Options(
+        precision="fp32" if precision == "fp32" else "bf16", checkpointing=checkpointing,
+        normuon=normuon, headroom=0.0))
+    (stage,) = plan.stages
+
+    line = (f"plan: params {gib(stage.params_bytes)}, grads {gib(stage.grads_bytes)}, "
+            f"optimizer {gib(stage.optimizer_bytes)}, activations "
+            f"{gib(stage.activations_bytes)}, buffers {gib(stage.buffers_bytes)} = "
+            f"{gib(stage.total_bytes)} per rank")
+    if device_memory:
+        line += f" of {gib(device_memory)} on this device"
+    return line + " (k3-train plan's formulas; not counting fragmentation and workspaces)"
