@@ -291,3 +291,13 @@ def test_train_says_the_plans_memory_line_for_its_own_layout(tmp_path, data_dir,
     (stage,) = make_plan(inventory(config), ParallelLayout(batch_size=2, seq_len=16),
                          gpu("h100"), Options(precision="fp32", checkpointing=True)).stages
     assert f"= {gib(stage.total_bytes)} per rank" in expected and "MiB" in expected
+
+
+def test_interleaving_keeps_megatrons_extra_warm_up_activations():
+    inv = inventory(preset("kimi-k3"))
+    base = ParallelLayout(pp=4, microbatches=8, batch_size=8, seq_len=64)
+    plain = make_plan(inv, base, gpu("h200"))
+    interleaved = make_plan(inv, replace(base, stages_per_rank=2), gpu("h200"))
+    held = [sum(s.activations_bytes for s in p.stages if s.pp_rank == 0)
+            for p in (plain, interleaved)]
+    assert held[1] == pytest.approx(held[0] * (1 + 3 / 8), rel=0.02)  # blocks split unevenly

@@ -3,7 +3,9 @@ per step, the FLOPs, the time at an assumed MFU and the tokens per second.
 
 Memory of a rank = model state (:mod:`.memory`) + activations of the microbatches in
 flight (:mod:`.activations`; 1F1B keeps ``min(m, pp − r)`` on pipeline rank ``r``,
-without a pipeline one) + transient buffers where known (FSDP's gathered block and its
+without a pipeline one; interleaved 1F1B with ``v`` stages per rank warms up with more,
+Megatron-LM's factor ``1 + (p − 1)/(p·v)`` of the first rank, applied to every rank) +
+transient buffers where known (FSDP's gathered block and its
 prefetch, the expert all-to-all's send and receive rows, the recomputed block under
 checkpointing) + the decoding cache if asked. What no formula here knows (allocator
 fragmentation, NCCL's own buffers, kernels' workspaces) is the ``headroom`` fraction of
@@ -160,6 +162,8 @@ def make_plan(inv: Inventory, layout: ParallelLayout, gpu: GPU,
                              precision=options.precision, sharding=options.sharding,
                              normuon=options.normuon)
         in_flight = min(layout.microbatches, layout.pp - pp_rank) if layout.pp > 1 else 1
+        interleaving = 1 + (layout.pp - 1) / (layout.pp * layout.stages_per_rank) \
+            if layout.stages_per_rank > 1 else 1.0
         last = s == layout.stages - 1
         saved = act.saved_bytes(config, blocks, tokens, layout.seq_len,
                                 checkpointing=options.checkpointing, last=last,
@@ -189,7 +193,8 @@ def make_plan(inv: Inventory, layout: ParallelLayout, gpu: GPU,
                 here = sum(kinds[i] == kind for i in blocks)
                 cache += options.decode_batch * one[kind] * here // max(1, kinds.count(kind))
         stages.append(StagePlan(s, pp_rank, list(blocks), states.params, states.grads,
-                                states.optimizer, saved * in_flight, buffers, cache))
+                                states.optimizer, int(saved * in_flight * interleaving),
+                                buffers, cache))
     per_token = flops_per_token(config, layout.seq_len)
     flops = float(per_token) * layout.global_tokens
     executed = flops
