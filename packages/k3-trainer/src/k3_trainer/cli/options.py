@@ -305,7 +305,8 @@ class PlanCommand:
     cp: int = option(1, parse=positive_int, metavar="N")
     """context-parallel degree (splits each sequence); with --suggest, the most it tries"""
     batch_size: int = option(1, parse=positive_int, metavar="N")
-    """sequences per data-parallel rank per forward/backward (cut into the microbatches)"""
+    """sequences per data-parallel rank per forward/backward (cut into the microbatches);
+    with --suggest, × the GPUs over pp·cp is the global batch every layout keeps"""
     seq_len: int = option(4096, parse=positive_int, metavar="T")
     """tokens per sequence"""
     grad_accum: int = option(1, parse=positive_int, metavar="N")
@@ -317,7 +318,7 @@ class PlanCommand:
     """fsdp shards parameters, gradients and optimizer state over dp·cp; zero1 only the
     optimizer state"""
     activation_checkpointing: bool = False
-    """recompute each block in the backward (keep only its input)"""
+    """recompute each block in the backward (keep only its input); --suggest tries both"""
     normuon: bool = False
     """MuonAdamW with NorMuon (one more fp32 value per matrix row)"""
     gpu: str = option("h200", metavar="h100|h200|b200|mi300x")
