@@ -17,6 +17,7 @@ from .mlp import GatedMLP, SwiGLU, situ_glu
 from .model import Block, K3Model
 from .moe import Experts, MoE, Router, RoutingStats
 from .norm import RMSNorm
+from .pipeline import StageForward, keep_stages
 from .presets import PRESETS, preset
 from .rope import RotaryEmbedding, apply_rotary
 from .scoring import Continuations, Scored, score_continuations
@@ -41,6 +42,7 @@ __all__ = [
     "ParameterCount",
     "QuantileBalancer",
     "RMSNorm",
+    "StageForward",
     "ResidualRead",
     "RotaryEmbedding",
     "Router",
@@ -57,6 +59,7 @@ __all__ = [
     "flops_per_token",
     "kda_flops_per_token",
     "load_pretrained",
+    "keep_stages",
     "preset",
     "quantile_bias",
     "recurrent_kda",
