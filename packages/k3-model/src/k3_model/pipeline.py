@@ -95,7 +95,7 @@ class StageForward(nn.Module):
             inv_rms = [inverse_rms(block, eps) for block in blocks]
             partial: Tensor | None = h
             for layer in self.blocks:
-                if layer.index % size == 0:
+                if int(layer.index) % size == 0:  # type: ignore[arg-type]
                     assert partial is not None
                     blocks.append(partial)
                     inv_rms.append(inverse_rms(partial, eps))
@@ -115,6 +115,26 @@ class StageForward(nn.Module):
         assert self.norm is not None
         out: Tensor = self.norm(h)
         return out
+
+    def example_io(self, rows: int, seq_len: int, dtype: torch.dtype = torch.float32
+                   ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Meta tensors shaped like one microbatch's stage inputs and outputs, so that
+        ``PipelineStage`` needs no shape-inference forward (which would update the MoE
+        balancers once more than one process does)."""
+        d = self.config.d_model
+        size = self.config.attn_res_block_size
+        indices = [int(layer.index) for layer in self.blocks]  # type: ignore[arg-type]
+
+        def crossing(stop: int) -> tuple[Tensor, ...]:
+            committed = -(-stop // size) if size else 0  # blocks begun before layer ``stop``
+            return tuple(torch.empty(rows, seq_len, d, dtype=dtype, device="meta")
+                         for _ in range(1 + committed))
+
+        inputs = ((torch.empty(rows, seq_len, dtype=torch.int64, device="meta"),)
+                  if self.first else crossing(indices[0]))
+        outputs = ((torch.empty(rows, seq_len, d, dtype=dtype, device="meta"),)
+                   if self.last else crossing(indices[-1] + 1))
+        return inputs, outputs
 
     def loss(self, hidden: Tensor, targets: Tensor) -> Tensor:
         """The mean token cross-entropy of the last stage's ``hidden`` state, computed as

@@ -119,9 +119,15 @@ class Pipeline:
         from torch.distributed import pipelining
 
         parallel, config, hooks = self.parallel, self.config, self.hooks
-        stages = [pipelining.PipelineStage(module, s, self.total, parallel.device,
-                                           group=parallel.pipeline_group)
-                  for module, s in zip(self.modules, self.indices, strict=True)]
+        rows = config.batch_size // self.count
+        stages: list[Any] = []
+        for module, s in zip(self.modules, self.indices, strict=True):
+            inputs, outputs = module.example_io(rows, config.seq_len)  # type: ignore[operator]
+            stages.append(pipelining.PipelineStage(
+                module, s, self.total, parallel.device, group=parallel.pipeline_group,
+                input_args=inputs, output_args=outputs,
+                input_grads=None if s == 0 else inputs,
+                output_grads=None if s == self.total - 1 else outputs))
         last_module = self.modules[-1]
 
         def loss_fn(output: Tensor, targets: Tensor) -> Tensor:

@@ -19,10 +19,9 @@ from ..config import ConfigError
 from ..data import document_start, load_codec
 from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
-from ..pipeline import check_layout
-from ..torchrun import launched_world_size
 from ..interrupt import StopOnSignal
 from ..observe.metrics import mark_superseded
+from ..pipeline import check_layout
 from ..precision import validate_precision
 from ..record import (
     METRICS,
@@ -37,6 +36,7 @@ from ..record import (
 from ..schedule import horizon_notes, phase_lr_warning
 from ..state import TrainState
 from ..tasks import DownstreamTasks, parse_tasks
+from ..torchrun import launched_world_size
 from ..trainer import Trainer
 from .build import build_trainer, max_seq_len_of, parse_device
 from .messages import Say, to_stderr, to_stdout

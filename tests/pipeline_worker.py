@@ -1,0 +1,93 @@
+"""One rank of a pipeline-parallel test run (``torchrun ... pipeline_worker.py``), or the
+one-process reference (``--reference``): a small K3 (KDA + MLA + Attention Residuals +
+LatentMoE, documents kept apart) trained a few MuonAdamW steps with gradient clipping,
+through ``k3_trainer.pipeline.Pipeline`` or plain gradient accumulation over the same
+microbatches. Saves the losses and this rank's weights and buffers to ``OUT/rank{R}.pt``.
+
+Test code only; the package never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from k3_model import K3Model, preset
+from k3_trainer import build_optimizer
+from k3_trainer.config import TrainConfig
+from k3_trainer.data.documents import document_ids
+from k3_trainer.distributed import clip_grad_norm, init_parallel, shutdown
+from k3_trainer.models import get_model_spec
+from k3_trainer.pipeline import Pipeline
+
+MODEL = preset("tiny", d_model=64, n_heads=2, kv_lora_rank=32, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=16, d_ff=96, moe_d_ff=32, moe_latent_dim=32,
+               kda_chunk_size=16, max_seq_len=64)
+BATCH, SEQ, BOUNDARY, MAX_NORM = 4, 32, 3, 0.05
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids in [0, 16) so that the boundary id 3 starts documents often."""
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(steps):
+        row = torch.randint(0, 16, (BATCH, SEQ + 1), generator=generator)
+        out.append((row[:, :-1].contiguous(), row[:, 1:].contiguous()))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--stages-per-rank", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    pipeline_degree = 1 if args.reference else 2
+    config = TrainConfig(batch_size=BATCH, seq_len=SEQ, peak_lr=0.02, max_steps=args.steps,
+                         pipeline_parallel=pipeline_degree, pp_schedule=args.schedule,
+                         pp_microbatches=None if args.reference else args.microbatches,
+                         pp_stages_per_rank=1 if args.reference else args.stages_per_rank)
+    torch.manual_seed(0)
+    model = K3Model(MODEL)
+    model.train()
+    parallel, pipeline = None, None
+    if not args.reference:
+        parallel, _ = init_parallel("fsdp", torch.device("cpu"), pipeline_degree)
+        assert parallel is not None
+        hooks = get_model_spec("k3").pipeline
+        assert hooks is not None
+        pipeline = Pipeline(model, hooks, parallel, config)
+        parallel.wrap(model, pipeline.modules)
+        pipeline.start()
+    optimizer = build_optimizer(model, config)
+    m, losses, norms = args.microbatches, [], []
+    for x, y in batches(args.steps):
+        ids = document_ids(x, BOUNDARY)
+        if pipeline is not None:
+            assert parallel is not None
+            local = pipeline.train(x, y, m, document_ids=ids)
+            losses.append(float(parallel.sum_(local.reshape(1))[0]))
+        else:
+            total = 0.0
+            for xs, ys, ds in zip(x.chunk(m), y.chunk(m), ids.chunk(m), strict=True):
+                _, loss = model(xs, targets=ys, document_ids=ds)
+                (loss / m).backward()
+                total += float(loss.detach()) / m
+            losses.append(total)
+        norms.append(float(clip_grad_norm(list(model.parameters()), MAX_NORM, parallel)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    rank = 0 if parallel is None else parallel.rank
+    args.out.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    torch.save({"losses": losses, "norms": norms, "state": state}, args.out / f"rank{rank}.pt")
+    shutdown(parallel)
+
+
+if __name__ == "__main__":
+    main()
