@@ -187,7 +187,7 @@ def _arc_easy(docs: int) -> list[Continuations] | None:
         return None
     codec = BytesCodec()
     encoded = encode_documents(codec, task, task.documents, vocab_size=256, bos=codec.eod_id)
-    return [Continuations(pairs[0][0], [k for _, k in pairs]) for pairs in encoded]
+    return [Continuations(doc.pairs[0][0], [k for _, k in doc.pairs]) for doc in encoded]
 
 
 def scoring(model: K3Model, rounds: int, requests: list[Continuations], label: str,

@@ -7,7 +7,8 @@ Every Python call made inside ``k3_trainer`` is traced (``sys.setprofile``) whil
 ``step``. The sequence of modules is cut into *stays* (maximal runs of calls in one
 module); a *return* is a stay in a module already visited, so ``stays = modules +
 returns``. Many returns mean control keeps coming back to the same places: the run's
-logic is spread over modules that call each other back and forth.
+logic is spread over modules that call each other back and forth. The command line's
+share (``k3_trainer.cli``) says how much of the run still lives there.
 
     python scripts/train_walk.py [--show]
 """
@@ -78,6 +79,11 @@ def main() -> None:
         for module in sequence:
             print(module)
     print(f"{len(sequence)} stays in {modules} modules: {len(sequence) - modules} returns")
+    cli = [m for m in sequence if m.startswith("k3_trainer.cli")]
+    print(f"the command line (k3_trainer.cli): {len(cli)} stays in {len(set(cli))} modules: "
+          f"{len(cli) - len(set(cli))} returns")
+    busiest = max(set(sequence), key=sequence.count)
+    print(f"entered most: {busiest} ({sequence.count(busiest)} times)")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,8 @@ def test_a_mixture_with_documents_kept_apart_matches_one_process_under_fsdp_and_
     for a, b in zip(ours, reference):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["tokens_by_source"] == b["tokens_by_source"]
+        # each source's loss: every rank's rows, summed over the ranks at the log boundary
+        assert a["loss_by_source"] == pytest.approx(b["loss_by_source"], rel=1e-4)
         rows = {name: tokens // 16 for name, tokens in a["tokens_by_source"].items()}
         assert abs(rows["docs"] - 0.7 * BATCH * a["step"]) < 1
         assert abs(rows["code"] - 0.3 * BATCH * a["step"]) < 1

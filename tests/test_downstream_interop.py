@@ -47,6 +47,7 @@ def test_choice_log_likelihoods_equal_transformers_kimi_linear(models, name):
                                       batch_size=3, **kwargs)
     assert skipped == 0
     encoded = encode_documents(codec, task, task.documents, **kwargs)
-    for doc, pairs in zip(scored, encoded):
-        expected = [_theirs(theirs, context, continuation) for context, continuation in pairs]
+    for doc, document in zip(scored, encoded):
+        expected = [_theirs(theirs, context, continuation)
+                    for context, continuation in document.pairs]
         assert list(doc.logliks) == pytest.approx(expected, rel=1e-5, abs=1e-5)

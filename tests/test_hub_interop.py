@@ -6,9 +6,11 @@ environment with only torch, transformers and safetensors.
    ``AutoTokenizer`` load it from the folder alone, encode a prompt as our byte codec
    does, and greedy ``generate`` gives the same 24 tokens as our model.
 2. The demo's own model (``tiny``, K3's additions) is exported in the Kimi K3 form, which
-   transformers has no model class for: there ``safetensors`` reads every tensor,
-   ``AutoTokenizer`` reads the tokenizer, the config is valid JSON naming ``kimi_k3``, and
-   its modeling code (``trust_remote_code``) says in one line to install k3-model.
+   transformers has no model class for: there ``safetensors`` reads every tensor, the
+   tokenizer loads without any of the folder's code and without a question, the config is
+   valid JSON naming ``kimi_k3``, and its modeling code (``trust_remote_code``) says in one
+   line how to install k3-model and k3-qkclip. The folder's README then works as printed:
+   its install line, then its example, run in the folder.
 
 The environment costs about a minute (torch from the usual index or local wheel).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +54,10 @@ out = model.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=
 tensors = {}
 for shard in sorted(k3.glob("*.safetensors")):
     tensors.update(load_file(shard))
-# the K3 form names its modeling code; its tokenizer needs only the configuration file
-k3_tokenizer = AutoTokenizer.from_pretrained(k3, trust_remote_code=True)
+# the K3 form's tokenizer is a plain BPE file: read without any of the folder's code (and
+# without a question: stdin is closed, a prompt would show in the output), as its README says
+from transformers import PreTrainedTokenizerFast
+k3_tokenizer = PreTrainedTokenizerFast.from_pretrained(k3)
 try:  # the modeling code runs k3_model, which is not installed here
     AutoModelForCausalLM.from_pretrained(k3, trust_remote_code=True)
     k3_remote = "loaded"
@@ -64,6 +69,8 @@ print(json.dumps({
     "k3_tensors": len(tensors),
     "k3_model_type": json.loads((k3 / "config.json").read_text())["model_type"],
     "k3_prompt_ids": k3_tokenizer(prompt).input_ids, "k3_remote": k3_remote,
+    "k3_untrusted_ids": AutoTokenizer.from_pretrained(k3, trust_remote_code=False)(
+        prompt).input_ids,
 }))
 '''
 
@@ -107,9 +114,12 @@ def test_an_export_loads_with_only_transformers_and_safetensors(tmp_path, data_d
           "transformers==5.23.0", "safetensors"], cwd=outside, env=env)
     script = tmp_path / "outside.py"
     script.write_text(OUTSIDE)
-    found = json.loads(_run([python, "-I", script, tmp_path / "linear-hub",
-                             tmp_path / "k3-hub", PROMPT], cwd=outside,
-                            env=env).stdout.strip().splitlines()[-1])
+    done = subprocess.run([str(python), "-I", str(script), str(tmp_path / "linear-hub"),
+                           str(tmp_path / "k3-hub"), PROMPT], cwd=outside, env=env,
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Do you wish to run the custom code" not in done.stdout + done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
 
     assert found["class"] == "KimiLinearForCausalLM"
     # a text begins as the run's documents do: after the end-of-document token
@@ -118,8 +128,26 @@ def test_an_export_loads_with_only_transformers_and_safetensors(tmp_path, data_d
     ours = load_pretrained(tmp_path / "linear-hub", kda_backend="torch")
     assert found["new_ids"] == _greedy(ours, found["prompt_ids"], 24)
     assert found["k3_model_type"] == "kimi_k3"
-    assert "pip install k3-model" in found["k3_remote"]  # one clear line, not a traceback
+    assert found["k3_untrusted_ids"] == found["k3_prompt_ids"]
+    # one clear line, not a traceback, that installs both packages the code runs
+    assert "k3-qkclip" in found["k3_remote"] and "k3-model" in found["k3_remote"]
     assert found["k3_tensors"] == len(_tensor_names(tmp_path / "k3-hub")) > 50
+
+    # The folder's README, as printed: its install line, then its example in the folder.
+    readme = (tmp_path / "k3-hub" / "README.md").read_text()
+    install = _block(readme, "bash").strip()
+    assert install.startswith("pip install ") and install in found["k3_remote"]
+    _run([python, "-m", "pip", "install", "--quiet", *shlex.split(install)[2:]], cwd=outside,
+         env=env)
+    example = tmp_path / "example.py"
+    example.write_text(_block(readme, "python"))
+    printed = _run([python, "-I", example], cwd=tmp_path / "k3-hub", env=env).stdout
+    assert printed.startswith(PROMPT) and len(printed.strip()) > len(PROMPT)
+
+
+def _block(text: str, language: str) -> str:
+    """The first fenced ``language`` block of a README."""
+    return text.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
 def _tensor_names(folder: Path) -> list[str]:

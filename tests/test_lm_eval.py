@@ -8,8 +8,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from k3_trainer.cli import main
 from k3_trainer.tasks import load_task
@@ -157,3 +159,86 @@ def test_bad_input_is_one_line(setup, capsys, args, message):
     code = main(["lm-eval", *args, "--include-path", str(setup / "tasks")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_importing_the_backend_keeps_lm_evals_own_backends():
+    """In a fresh process, importing ``k3_trainer.lm_eval`` first (before lm-eval has
+    filled its registry) leaves ``hf`` and every built-in backend beside ``k3``."""
+    import subprocess
+    import sys
+
+    script = ("import k3_trainer.lm_eval\n"
+              "from lm_eval.api.registry import get_model, model_registry\n"
+              "print(get_model('hf').__name__, get_model('k3').__name__, "
+              "'vllm' in model_registry)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["HFLM", "K3LM", "True"]
+
+
+def test_lm_evals_own_command_line_runs_k3_on_the_cpu(setup, tmp_path):
+    """``python -m k3_trainer.lm_eval`` is lm-eval's command line (its flags, its output
+    folder) with ``k3`` registered; lm-eval's default device (cuda:0) becomes the CPU,
+    said once, on a machine without CUDA."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [sys.executable, "-m", "k3_trainer.lm_eval", "--model", "k3", "--model_args",
+         f"pretrained={setup / 'hub'}", "--tasks", "local_arc_easy", "--include_path",
+         str(setup / "tasks"), "--limit", "4", "--batch_size", "2", "--output_path", str(out),
+         "--log_samples"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "local_arc_easy" in done.stdout  # lm-eval's own results table
+    notes = [line for line in done.stderr.splitlines() if "no CUDA device here" in line]
+    assert len(notes) == 1 and "scoring on the CPU (device cuda:0 asked)" in notes[0]
+    (results,) = out.rglob("results_*.json")
+    assert "acc,none" in json.loads(results.read_text())["results"]["local_arc_easy"]
+
+
+class _Scripted(torch.nn.Module):
+    """A model whose generation is a fixed text, checking the window as K3Model does."""
+
+    def __init__(self, text: bytes, window: int) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(max_seq_len=window, vocab_size=256)
+        self.text, self.asked = text, []
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def score_continuations(self, requests, batch_size=8):
+        raise AssertionError("not scored here")
+
+    def generate(self, prompts, new, temperature=0.0, stop_ids=()):
+        (prompt,) = prompts
+        self.asked.append((len(prompt), new))
+        if len(prompt) + new > self.config.max_seq_len:
+            raise ValueError("generate: a prompt plus its new tokens exceed max_seq_len")
+        return [list(self.text[:new])]
+
+
+def _backend(monkeypatch, model):
+    from k3_trainer import lm_eval as backend
+    from k3_trainer.data import BytesCodec
+
+    monkeypatch.setattr(backend, "load_model", lambda *args: (model, BytesCodec()))
+    return backend.K3LM("unused", device="cpu")
+
+
+def test_generate_until_cuts_at_the_stop_string_which_it_leaves_out(monkeypatch):
+    lm = _backend(monkeypatch, _Scripted(b"ab\ncd", 16))
+    request = SimpleNamespace(args=("Q: x\nA:", {"until": ["\n"], "max_gen_toks": 5}))
+    assert lm.generate_until([request]) == ["ab"]
+
+
+def test_generate_until_leaves_room_for_the_new_tokens_in_the_window(monkeypatch):
+    """Asked for more new tokens than the window holds: the most that fit after one
+    context token."""
+    model = _Scripted(b"abcdefghijklmnopqrstuvwxyz", 16)
+    lm = _backend(monkeypatch, model)
+    request = SimpleNamespace(args=("a long context " * 4, {"until": [], "max_gen_toks": 64}))
+    assert lm.generate_until([request]) == ["abcdefghijklmno"]
+    assert model.asked == [(1, 15)]

@@ -79,8 +79,15 @@ def test_every_file_an_export_writes_is_one_the_rule_recognises(export, tmp_path
 
 @pytest.mark.parametrize(("arrange", "named"), [
     (lambda out: (out / "notes.txt").write_text("mine"), "notes.txt"),
+    # named like a shard, but more: a shard's whole name, or not an export's file
+    (lambda out: (out / "model-00001-of-00002.safetensors.orig").write_bytes(b"1"),
+     "model-00001-of-00002.safetensors.orig"),
     (lambda out: (out / "drafts").mkdir(), "drafts/"),
     (lambda out: (out / "README.md").write_text("# my model card"), "README.md"),
+    # the export's own card, edited by hand: the edit is someone's, never replaced
+    (lambda out: (out / "README.md").write_text((out / "README.md").read_text()
+                                                + "\nEvaluated on my data: 61%.\n"),
+     "README.md"),
     (lambda out: (out / "model.safetensors").unlink() or (out / "data.bin").write_bytes(b"1"),
      "data.bin"),
 ])
@@ -147,7 +154,7 @@ def test_without_overwrite_a_previous_export_is_refused_saying_what_overwrite_re
     with pytest.raises(FolderInUse) as refused:
         save_pretrained(_model(seed=2), export)
     message = str(refused.value)
-    assert "already exists: a previous export (7 files: config.json" in message
+    assert "already exists: a previous export (8 files: README.md, config.json" in message
     assert "overwrite=True replaces it" in message
     assert refused.value.reason is None
     assert _snapshot(export) == before

@@ -71,6 +71,42 @@ def test_generate_decodes_with_the_models_state_and_our_greedy_tokens(folders, m
     assert widths == [12] + [1] * 23  # the prompt once, then one token per step
 
 
+def test_a_padded_batch_gets_each_prompts_own_logits_and_tokens(folders, monkeypatch,
+                                                               tmp_path):
+    """``attention_mask`` in every forward: a left- (and a right-) padded batch's real
+    positions get the logits each prompt gets alone, and generate continues each prompt
+    as it would alone."""
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    ours, root = folders
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        root / "k3", trust_remote_code=True, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 255, (n,), generator=generator) for n in (5, 12, 5)]
+    for side in ("left", "right"):
+        ids = torch.zeros(3, 12, dtype=torch.long)
+        mask = torch.zeros(3, 12, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            at = slice(12 - len(prompt), 12) if side == "left" else slice(0, len(prompt))
+            ids[row, at], mask[row, at] = prompt, 1
+        with torch.no_grad():
+            logits = theirs(input_ids=ids, attention_mask=mask).logits
+        for row, prompt in enumerate(prompts):
+            at = slice(12 - len(prompt), 12) if side == "left" else slice(0, len(prompt))
+            with torch.no_grad():
+                alone = ours(prompt[None])[0][0]
+            assert float((logits[row, at] - alone).abs().max()) <= 1e-6 * float(
+                alone.abs().max()), (side, row)
+    ids, mask = ids.clone(), mask.clone()  # left-padded again, for generate
+    for row, prompt in enumerate(prompts):
+        ids[row], mask[row] = 0, 0
+        ids[row, 12 - len(prompt):], mask[row, 12 - len(prompt):] = prompt, 1
+    out = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    for row, prompt in enumerate(prompts):
+        assert out[row, 12:].tolist() == ours.generate([prompt.tolist()], 6,
+                                                       temperature=0)[0], row
+
+
 def test_a_kimi_linear_export_stays_native(folders):
     _, root = folders
     config = json.loads((root / "linear" / "config.json").read_text())
@@ -88,4 +124,11 @@ def test_remote_code_without_k3_model_says_what_to_install(folders, tmp_path):
                           env={"HF_MODULES_CACHE": str(tmp_path / "modules"),
                                "PATH": "/usr/bin:/bin"}, timeout=300)
     assert done.returncode != 0
-    assert "pip install k3-model" in done.stderr.strip().splitlines()[-1]
+    line = done.stderr.strip().splitlines()[-1]
+    # one line that installs both packages the code runs: the folder's README gives where
+    # they came from when it was exported, and the general form from a K3 Train checkout
+    from k3_model.hub.card import install_line
+
+    assert "k3-qkclip" in line and "k3-model" in line
+    assert install_line() in line and "K3_TRAIN/packages/k3-qkclip" in line
+    assert install_line() in (root / "k3" / "README.md").read_text()

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import k3_model.delta_rule as delta_rule
 import k3_model.kda as kda
 from k3_model.kda import KimiDeltaAttention, chunk_kda, l2_normalize, recurrent_kda
 
@@ -201,8 +202,10 @@ def test_fp32_gradients_finite_for_any_gate(case):
 ])
 def test_gate_lower_bound_picks_the_diagonal(monkeypatch, bound, dtype, fast):
     calls = []
-    pairwise = kda._pairwise_diagonal
-    monkeypatch.setattr(kda, "_pairwise_diagonal", lambda *a: calls.append(1) or pairwise(*a))
+    pairwise = delta_rule._pairwise_diagonal
+    monkeypatch.setattr(
+        delta_rule, "_pairwise_diagonal", lambda *a: calls.append(1) or pairwise(*a)
+    )
     lo = 0.0 if bound is None else bound
     x = inputs(b=1, t=40, h=2, state=True, g=(lo, 0.0), seed=4)
     o_ref, s_ref = recurrent_kda(**x, output_final_state=True)
@@ -349,7 +352,7 @@ def test_layer_fla_call_says_gate_is_bounded(monkeypatch):
         seen.append({"g": g, **kw})
         return torch.zeros_like(v), None
 
-    monkeypatch.setattr(kda, "_fla_chunk_kda", lambda: fake_fla)
+    monkeypatch.setattr(kda, "fla_chunk_kda_kernel", lambda: fake_fla)
     monkeypatch.setattr(KimiDeltaAttention, "_use_fla", lambda self, x: True)
     m = layer(backend="auto")
     out = m(x_in())
@@ -368,7 +371,7 @@ def test_an_older_fla_without_safe_gate_is_not_given_it(monkeypatch):
         seen.append({"scale": scale})
         return torch.zeros_like(v), None
 
-    monkeypatch.setattr(kda, "_fla_chunk_kda", lambda: old_fla)
+    monkeypatch.setattr(kda, "fla_chunk_kda_kernel", lambda: old_fla)
     monkeypatch.setattr(KimiDeltaAttention, "_use_fla", lambda self, x: True)
     assert layer(backend="auto")(x_in()).shape == (2, 21, 16) and len(seen) == 1
 
@@ -386,7 +389,8 @@ def test_fla_kernel_agrees_with_chunk_kda():
     x = {n: t.float().cuda() for n, t in inputs(b=2, t=300, h=4, dk=64, dv=64).items()}
     ours, _ = chunk_kda(**x)
     for safe_gate in (False, True):  # g ∈ [−5, 0]: fla's bounded-gate kernel applies
-        theirs, _ = kda._fla_chunk_kda()(**x, use_qk_l2norm_in_kernel=False, safe_gate=safe_gate)
+        fla_kda = kda.fla_chunk_kda_kernel()
+        theirs, _ = fla_kda(**x, use_qk_l2norm_in_kernel=False, safe_gate=safe_gate)
         assert rel(theirs, ours) <= 2e-3, safe_gate
     torch.manual_seed(0)
     m = KimiDeltaAttention(128, 2, 64, backend="torch").cuda()

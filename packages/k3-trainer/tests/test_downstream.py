@@ -48,10 +48,36 @@ def test_other_formats_by_name_and_choices_with_their_own_contexts():
     ("nonsense_task_x", "known tasks: arc_challenge, arc_easy"),
     ("arc_easy:rc_9shot", "task arc_easy has no format 'rc_9shot'; its formats:"),
     ("basic_skills_arithmetic", "has no format 'rc_0shot'"),
+    # sets that are not choices to rank are refused by name, with why
+    ("lambada", r"task lambada is not scored here: its sets \(lambada:bpb_0shot\) hold one "
+                r"reference continuation per document"),
+    ("lambada:bpb_0shot", "task lambada:bpb_0shot is not scored here: it holds one reference "
+                          "continuation per document"),
+    ("codex_humaneval:gold_bpb_0shot", r"it holds generation requests "
+                                       r"\(generate_until_and_loglikelihood\)"),
 ])
 def test_unknown_names_are_refused_with_what_exists(name, message):
     with pytest.raises(TaskError, match=message):
         load_task(name)
+
+
+def test_only_scorable_tasks_are_offered_and_the_rest_named_once_apart():
+    """The list, the did-you-mean and the format hints name what can be scored; the sets
+    that cannot are named once each, apart, with why."""
+    from k3_trainer.tasks import unscorable_tasks
+
+    known, other = task_names(), unscorable_tasks()
+    assert "lambada" not in known and "codex_humaneval" not in known and "gsm8k" not in known
+    assert "lambada:bpb_0shot" in other and "arc_easy" in known
+    for task, formats in known.items():  # every format offered is one that scores
+        assert not any(f"{task}:{form}" in other for form in formats), task
+    with pytest.raises(TaskError) as refused:
+        load_task("lambda")
+    message = str(refused.value)
+    listed, _, apart = message.partition("; not scored here, no choices to rank: ")
+    assert "did you mean" not in listed and "lambada" not in listed  # never offered
+    assert apart.count("lambada") == 1 and apart.count("codex_humaneval") == 1
+    assert "one reference continuation per document" in apart and "generation" in apart
 
 
 def test_a_user_task_file_and_its_malformed_lines(tmp_path):
@@ -147,7 +173,8 @@ def test_forked_scores_equal_one_forward_per_choice(name):
 
 def test_a_vocabulary_that_cannot_encode_the_task_is_refused():
     tasks = DownstreamTasks(["arc_easy"], BytesCodec(), limit=3, bos=None)
-    with pytest.raises(TaskError, match=r"vocabulary \(100 tokens\) cannot encode document"):
+    with pytest.raises(TaskError, match=r"task arc_easy: document 'MCAS_2000_4_6': the model's "
+                       r"vocabulary \(100 tokens\) cannot encode token id 117"):
         tasks.check(100)
 
 
@@ -192,8 +219,12 @@ def test_the_loop_scores_the_tasks_and_eval_gives_the_same_numbers(run, tmp_path
                  "--output", str(out)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("step 6: arc_easy: acc ") and "(6 docs)" in printed[0]
-    assert printed[-1].startswith("step 6: core ")
+    assert last["core_tasks"] == ["arc_easy", "piqa"]
+    assert printed[-1] == f"step 6: core {last['core']:+.4f} (mean centered_acc of arc_easy, piqa)"
     written = json.loads(out.read_text())
+    # what it measured: the run, its step, the documents per task, the tasks behind core
+    assert (written["run_dir"], written["step"], written["limit"]) == (str(run), 6, 6)
+    assert written["core_tasks"] == ["arc_easy", "piqa"]
     for name, found in last["tasks"].items():
         assert written["tasks"][name]["metrics"] == pytest.approx(found, rel=1e-12)
     assert written["core"] == pytest.approx(last["core"], rel=1e-12)
@@ -203,6 +234,21 @@ def test_the_loop_scores_the_tasks_and_eval_gives_the_same_numbers(run, tmp_path
     session = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                if '"session_end"' in line][-1]
     assert session["phase_s"]["downstream"] > 0  # its own phase in the timings
+
+
+def test_the_loops_log_line_names_the_tasks_core_averages():
+    import io
+    from types import SimpleNamespace
+
+    from k3_trainer.callbacks.progress import LogLines
+
+    out = io.StringIO()
+    metric = {"acc": 0.5, "acc_norm": 0.25, "bpb": 1.5, "centered_acc": 0.1, "docs": 4}
+    LogLines(out).on_eval_end(SimpleNamespace(config=SimpleNamespace(max_steps=6)), {
+        "step": 3, "downstream": {"tasks": {"arc_easy": metric, "piqa": metric},
+                                  "core": 0.1, "core_tasks": ["arc_easy", "piqa"]}})
+    assert out.getvalue().rstrip().endswith("| core +0.1000 (mean centered_acc of arc_easy, "
+                                            "piqa)")
 
 
 def test_the_report_plots_each_task_and_core(run):

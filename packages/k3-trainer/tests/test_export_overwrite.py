@@ -15,7 +15,7 @@ from k3_trainer.cli import main
 
 CONFIG = small_toml(model={"max_seq_len": 32}, train=dict(
     batch_size=4, seq_len=32, eval_batches=1, warmup_steps=1, decay_steps=4))
-EXPORT = ["config.json", "configuration_kimi_k3.py", "generation_config.json",
+EXPORT = ["README.md", "config.json", "configuration_kimi_k3.py", "generation_config.json",
           "model.safetensors", "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json"]
 
 
@@ -92,8 +92,8 @@ def test_without_overwrite_the_refusal_says_what_overwrite_would_replace(run, ex
     before = _snapshot(exported.parent)
     code, _, err = _export(capsys, run, exported)
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert f"--out {exported} already exists: a previous export (7 files: config.json, " \
-           "configuration_kimi_k3.py, generation_config.json, model.safetensors and 3 " \
+    assert f"--out {exported} already exists: a previous export (8 files: README.md, " \
+           "config.json, configuration_kimi_k3.py, generation_config.json and 4 " \
            "more); --overwrite replaces it" in err
     (exported / "notes.txt").write_text("my notes")
     code, _, err = _export(capsys, run, exported)

@@ -64,6 +64,17 @@ def test_one_update_reads_the_host_at_most_accumulation_plus_two_times(
                           log_interval=6, eval_interval=6, checkpoint_interval=6,
                           qk_clip_tau=1.0)  # tau low: heads are clipped every step
     model, opt, tl, vl = build_parts(config, data_dir, HYBRID)
+    counts = _reads_per_update(lambda callback: Trainer(
+        model, opt, (tl, vl), config, callbacks=[callback],
+        grad_scaler=FP16SkipHarness(init_scale=2.0**8) if scaler else None), opt)
+    assert len(counts) == 5
+    assert max(counts) <= accumulation + 2, counts
+
+
+def _reads_per_update(build, opt) -> list[int]:
+    """The host reads of each update but the first of ``build(callback)``'s fit: between
+    two on_step_end calls lies exactly one update (the final step's log, eval and
+    checkpoint come after the last call and are not counted)."""
     calls: list[str] = []
     per_update: list[int] = []
     # torch's AdamW keeps each parameter's `step` counter on the host (non-capturable
@@ -76,12 +87,31 @@ def test_one_update_reads_the_host_at_most_accumulation_plus_two_times(
             adam_steps.update(id(s["step"]) for s in opt.state.values()
                               if isinstance(s.get("step"), torch.Tensor) and s["step"].ndim == 0)
 
-    trainer = Trainer(model, opt, (tl, vl), config, callbacks=[CountPerUpdate()],
-                      grad_scaler=FP16SkipHarness(init_scale=2.0**8) if scaler else None)
+    trainer = build(CountPerUpdate())
     with counting_host_reads(calls, adam_steps):
         trainer.fit()
-    # Between two on_step_end calls lies exactly one update; the final step's log, eval
-    # and checkpoint come after the last call and are not counted.
-    counts = [b - a for a, b in itertools.pairwise(per_update)]
-    assert len(counts) == 5
-    assert max(counts) <= accumulation + 2, (counts, calls)
+    return [b - a for a, b in itertools.pairwise(per_update)]
+
+
+def test_a_mixtures_loss_by_source_reads_the_host_only_at_the_log(data_dir):
+    """Each row's loss goes to its source's sums on the device: a mixture's update reads the
+    host no more than one dataset's."""
+    from k3_trainer.data import MixtureLoader, Source
+
+    config = train_config(max_steps=6, log_interval=6, eval_interval=6, checkpoint_interval=6)
+    model, opt, _, _ = build_parts(config, data_dir, HYBRID)
+    sources = [Source("a", data_dir, 0.6), Source("b", data_dir, 0.4)]
+    loaders = tuple(MixtureLoader(sources, split, config.batch_size, config.seq_len)
+                    for split in ("train", "val"))
+    trainers: list[Trainer] = []
+
+    def build(callback):
+        trainers.append(Trainer(model, opt, loaders, config, callbacks=[callback]))
+        return trainers[-1]
+
+    counts = _reads_per_update(build, opt)
+    assert trainers[0].by_source is not None
+    model, opt, tl, vl = build_parts(config, data_dir, HYBRID)
+    alone = _reads_per_update(lambda callback: Trainer(model, opt, (tl, vl), config,
+                                                       callbacks=[callback]), opt)
+    assert len(counts) == 5 and counts == alone, (counts, alone)  # one dataset's reads

@@ -41,9 +41,10 @@ def _out(capsys, argv):
 def test_export_writes_the_weights_tokenizer_and_generation_config(run):
     out = run / "out"
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "configuration_kimi_k3.py", "generation_config.json",
+        "README.md", "config.json", "configuration_kimi_k3.py", "generation_config.json",
         "model.safetensors", "modeling_kimi_k3.py", "tokenizer.json",
-        "tokenizer_config.json"]  # the Kimi K3 form ships its modeling code
+        "tokenizer_config.json"]  # the Kimi K3 form ships its modeling code and says how
+    assert "pip install " in (out / "README.md").read_text()  # to install what it runs
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0xFF
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == \
         "<|endoftext|>"
@@ -197,3 +198,34 @@ def test_a_folders_eos_is_its_end_of_document_whatever_its_name(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
     with pytest.raises(ConfigError, match=r"eos_token_id 7 is not in its tokenizer\.json"):
         folder_codec(tmp_path, get_model_spec("k3"))
+
+
+def test_an_export_of_a_masked_run_says_so_and_eval_reads_it_masked(tmp_path, capsys):
+    """A run trained with its documents apart is exported with ``document_masking`` in its
+    config.json, and ``eval --model`` measures it as the run's own evaluation does."""
+    from k3_trainer import prepare_dataset
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(800):  # short documents: every row of 32 tokens holds several
+        (docs / f"{i:03d}.txt").write_text(f"item {i}: {i * 7 % 13} apples, {i % 5} pears\n")
+    data = tmp_path / "data"
+    prepare_dataset([str(docs)], data)
+    (tmp_path / "c.toml").write_text(CONFIG)
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--data", str(data), "--config",
+                 str(tmp_path / "c.toml"), "--max-steps", "3", "--document-masking"]) == 0
+    out = tmp_path / "out"
+    assert main(["export", "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["document_masking"] is True
+    code, by_run, err = _out(capsys, ["eval", "--run-dir", str(tmp_path / "run")])
+    assert code == 0, err
+    code, by_model, err = _out(capsys, ["eval", "--model", str(out), "--data", str(data),
+                                        "--batches", "2"])
+    assert code == 0, err
+    assert by_run.split(": ", 1)[1] == by_model.split(": ", 1)[1]  # masked, as the run
+    del config["document_masking"]
+    (out / "config.json").write_text(json.dumps(config))
+    code, unmasked, err = _out(capsys, ["eval", "--model", str(out), "--data", str(data),
+                                        "--batches", "2"])
+    assert code == 0 and unmasked.split(": ", 1)[1] != by_model.split(": ", 1)[1]

@@ -54,6 +54,17 @@ def test_a_mixture_run_records_its_sources_and_resumes_bitwise(
     events = read_events(whole / "metrics.jsonl")
     train = [e for e in events if e["event"] == "train"]
     assert sum(train[-1]["tokens_by_source"].values()) == train[-1]["tokens_seen"]
+    # each window's training loss, source by source: together, weighted by the tokens each
+    # source gave the window, they are the window's loss
+    before = {"web": 0, "code": 0}
+    for event in train:
+        drawn = {name: event["tokens_by_source"][name] - before[name] for name in before}
+        before = dict(event["tokens_by_source"])
+        by_source = event["loss_by_source"]
+        assert set(by_source) == {name for name, tokens in drawn.items() if tokens}
+        assert sum(by_source[n] * drawn[n] for n in by_source) / sum(drawn.values()) == \
+            pytest.approx(event["loss"], rel=1e-5)
+    assert train[-1]["loss_by_source"]["web"] != train[-1]["loss_by_source"]["code"]
     evals = [e for e in events if e["event"] == "eval"]
     assert set(evals[-1]["val_by_source"]) == {"web", "code"}
 

@@ -133,10 +133,29 @@ def test_tensorboard_missing_is_a_clear_error_before_anything_is_written(
 def test_metrics_log_recovers_from_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"event": "train", "step": 1}\n{"event": "tra')  # cut by a crash
+    assert [e["event"] for e in read_events(path)] == ["train"]  # the torn end: ignored
     with MetricsLog(path) as log:
         log.write("session_start", step=1)
     events = read_events(path)
     assert [e["event"] for e in events] == ["train", "session_start"]
+    lines = path.read_text().splitlines()  # the torn line is gone: one event per line
+    assert len(lines) == 2 and all(json.loads(line)["event"] for line in lines)
+
+
+@pytest.mark.parametrize("bad", ['{"event": "tra', "[1, 2]"])
+def test_a_damaged_line_inside_the_event_log_is_an_error_naming_it(tmp_path, bad):
+    from k3_trainer.config import ConfigError
+    from k3_trainer.observe.metrics import mark_superseded
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f'{{"event": "train", "step": 1}}\n{bad}\n{{"event": "train", "step": 2}}\n')
+    with pytest.raises(ConfigError, match=rf"{path}:2 is not a JSON (event|object)"):
+        read_events(path)
+    with pytest.raises(ConfigError, match=rf"{path}:2 "):
+        mark_superseded(path, 0)
+    path.write_text(f'{{"event": "train", "step": 1}}\n{bad}\n')  # complete, yet not JSON
+    with pytest.raises(ConfigError, match=rf"{path}:2 "):
+        read_events(path)
 
 
 def test_the_qk_plot_has_a_legend_and_the_tau_line(tmp_path, monkeypatch):

@@ -255,6 +255,42 @@ def test_an_existing_tokenizer_file_is_used_and_copied(jsonl_corpus, tmp_path):
                         PrepareOptions(tokenizer=source, eod_token="<eos>"))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_end_of_document_token_found_inside_documents_is_refused_or_kept_on_request(
+        jsonl_corpus, tmp_path, capsys, workers):
+    """An ordinary token named as the end of document would cut documents wherever it
+    occurs: refused in one line, or kept with --allow-eod-in-text and recorded."""
+    prepare_dataset([jsonl_corpus], tmp_path / "trained", PrepareOptions(train_tokenizer=300))
+    tokenizer = tmp_path / "trained" / "tokenizer.json"
+    codec = load_codec(tmp_path / "trained", read_manifest(tmp_path / "trained"))
+    ids = np.concatenate(codec.encode_batch(DOCS * 3))
+    common = int(np.bincount(ids).argmax())  # the corpus's most frequent token
+    name = codec.tokenizer.id_to_token(common)
+    argv = ["prepare", jsonl_corpus, "--tokenizer", tokenizer, "--eod-token", name,
+            "--workers", workers]
+    code, _, err = _cli([*argv, "--out", tmp_path / "refused"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"the end-of-document token {name!r} (id {common}) occurs inside the documents' " \
+           f"text (first in {jsonl_corpus}:1;" in err[0]
+    assert "--allow-eod-in-text" in err[0]
+    assert not (tmp_path / "refused").exists()
+    code, out, err = _cli([*argv, "--out", tmp_path / "kept", "--allow-eod-in-text"], capsys)
+    assert code == 0, err
+    count = int((ids == common).sum())
+    assert read_manifest(tmp_path / "kept")["tokenizer"]["eod_in_text"] == count
+    assert f"inside the documents' text {count:,} times: --allow-eod-in-text" in out
+    assert "eod_in_text" not in read_manifest(tmp_path / "trained")["tokenizer"]
+
+
+def test_a_special_tokens_text_inside_a_document_is_refused_too(tmp_path):
+    """The trained tokenizer's <|endoftext|> written out in a document encodes to the
+    end-of-document id (special tokens are matched in text): refused the same way."""
+    corpus = _jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCS[:5]]
+                    + [{"text": "GPT-2 ends texts with <|endoftext|> in its data."}])
+    with pytest.raises(DataError, match=r"'<\|endoftext\|>' \(id 0\) occurs inside"):
+        prepare_dataset([corpus], tmp_path / "d", PrepareOptions(train_tokenizer=300))
+
+
 def test_shards_are_the_same_bytes_for_1_and_4_workers(jsonl_corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_module, "TASK_CHARS", 500)  # many small tasks
     folders = []

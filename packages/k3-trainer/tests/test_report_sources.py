@@ -32,7 +32,9 @@ def _mixture_run(run: Path) -> None:
     run.mkdir()
     events = [{"event": "train", "step": s, "tokens_seen": TOKENS_PER_STEP * s,
                "loss": 3.0 - 0.05 * s, "lr": 1e-3, "tokens_per_s": 1e5,
-               "grad_norm": 1.0, "grad_norm_max": 2.0} for s in range(1, 13)]
+               "grad_norm": 1.0, "grad_norm_max": 2.0,
+               "loss_by_source": {"web": 3.1 - 0.05 * s, "code": 2.7 - 0.05 * s}}
+              for s in range(1, 13)]
     events += [_eval(s, 2.0 - 0.01 * s, 1.8 - 0.02 * s) for s in (2, 4, 6, 8)]
     events.append({"event": "phase_start", "name": "anneal", "step": 8, "changes": {}})
     events.append({"event": "phase_start", "name": "gone", "step": 10, "changes": {},
@@ -77,7 +79,9 @@ def test_the_validation_plots_draw_each_source_beside_the_mixture(tmp_path, draw
     assert bpb["lines"]["code"] == pytest.approx([(1.8 - 0.02 * s) / 0.7
                                                   for s in (2, 4, 6, 8, 10, 12)])
     loss = drawn["loss"]
-    assert loss["legend"][:4] == ["train", "validation", "validation: web", "validation: code"]
+    assert loss["legend"][:6] == ["train", "train: web", "train: code", "validation",
+                                  "validation: web", "validation: code"]
+    assert loss["lines"]["train: code"] == pytest.approx([2.7 - 0.05 * s for s in range(1, 13)])
     assert loss["lines"]["validation: web"] == pytest.approx([2.0 - 0.01 * s
                                                               for s in (2, 4, 6, 8, 10, 12)])
     index = (run / "report" / "index.html").read_text()
@@ -136,6 +140,19 @@ def _eval_line(record) -> str:
     out = io.StringIO()
     LogLines(out).on_eval_end(SimpleNamespace(config=SimpleNamespace(max_steps=6)), record)
     return out.getvalue()
+
+
+def test_the_train_log_line_gives_each_sources_loss_of_a_mixture():
+    out = io.StringIO()
+    lines = LogLines(out)
+    run = SimpleNamespace(config=SimpleNamespace(max_steps=6), state=SimpleNamespace(step=0))
+    lines.on_session_start(run, {})
+    lines.on_log(run, {"step": 2, "loss": 3.05, "lr": 1e-3, "tokens_per_s": 100.0,
+                       "loss_by_source": {"web": 3.1, "code": 2.9}})
+    lines.on_log(run, {"step": 4, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 100.0})
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("step 2/6 | loss 3.0500 (web 3.1000, code 2.9000) | lr 1.00e-03")
+    assert second.startswith("step 4/6 | loss 3.0000 | lr 1.00e-03")
 
 
 def test_the_eval_log_line_lists_each_source_of_a_mixture():

@@ -147,8 +147,17 @@ def _flip_a_byte(path) -> None:
     shard.write_bytes(bytes(data))
 
 
+def _flip_a_metadata_byte(path) -> None:
+    """A flipped byte in DCP's own table: its checksum is checked like every shard's."""
+    table = path / ".metadata"
+    data = bytearray(table.read_bytes())
+    data[-1] ^= 0x01
+    table.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage, message", [
     (_flip_a_byte, "__0_0.distcp does not match its recorded size and checksum"),
+    (_flip_a_metadata_byte, r"\.metadata does not match its recorded size and checksum"),
     (lambda path: (path / "__9_0.distcp").write_bytes(b"x"), "unexpected __9_0.distcp"),
     (lambda path: (path / "__0_0.distcp").unlink(), "missing __0_0.distcp"),
 ])
@@ -174,6 +183,22 @@ def test_another_model_or_metadata_is_refused_with_nothing_changed(saved):
     with pytest.raises(CheckpointError, match="width"):
         _load(path, *fresh, metadata={"width": 9})
     assert not fresh[1].state
+
+
+def test_a_model_of_another_dtype_is_refused_with_nothing_changed(saved):
+    path = saved[0]
+    model, optimizer, counter = _run(seed=1)
+    model.double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = _snapshot(model, optimizer, counter)
+    # past the runtime's own check of the parameters' dtype (allowed to differ here), the
+    # tensors read are checked against the live ones, dtype included
+    allowed = CompatibilityPolicy(runtime_may_differ={"param_dtype"})
+    with pytest.raises(CheckpointError,
+                       match=r"0\.weight \[16, 8\] torch.float32 vs \[16, 8\] torch.float64"):
+        sharded.read_sharded(path, _states(model, optimizer, counter), {"width": 8}, allowed,
+                             None)
+    assert _same(before, _snapshot(model, optimizer, counter)) and not optimizer.state
 
 
 def test_another_optimizer_is_refused_with_nothing_changed(saved):

@@ -66,6 +66,14 @@ def pick(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float 
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
+def check_token_ids(ids: Iterable[int], vocab: int, what: str) -> None:
+    """Refuse, naming ``what``, a token id outside the model's vocabulary ``[0, vocab)``
+    (the embedding would fail on it without saying which)."""
+    bad = next((int(t) for t in ids if not 0 <= int(t) < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+
 def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
            top_k: int | None, top_p: float | None, vocab: int, max_len: int) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -75,9 +83,7 @@ def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: f
     if temperature < 0 or (top_k is not None and top_k < 1) or (
             top_p is not None and not 0 < top_p <= 1):
         raise ValueError("generate: temperature must be ≥ 0, top_k ≥ 1 and top_p in (0, 1]")
-    bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
-    if bad:
-        raise ValueError(f"generate: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    check_token_ids((t for p in prompts for t in p), vocab, "generate")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > max_len:
         raise ValueError(f"generate: a prompt of {longest} tokens plus {max_new_tokens} new "

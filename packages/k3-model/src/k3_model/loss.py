@@ -35,7 +35,8 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """``mean_{t scored} (lse(h_t Wᵀ) − (h_t Wᵀ)[y_t])``, chunked over tokens ``t``."""
+    """Per token ``lse(h_t Wᵀ) − (h_t Wᵀ)[y_t]`` (0 where not scored), chunked over tokens
+    ``t``; :func:`chunked_cross_entropy` takes their mean (or keeps them)."""
 
     @staticmethod
     def forward(
@@ -52,24 +53,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             logits = F.linear(hidden[start:end].to(dtype), w).float()
             lse[start:end] = logits.logsumexp(dim=-1)
             picked[start:end] = logits.gather(1, safe[start:end, None]).squeeze(1)
-        count = scored.sum()
-        loss = torch.where(scored, lse - picked, 0.0).sum() / count
-        ctx.save_for_backward(hidden, weight, safe, scored, lse, count)
+        ctx.save_for_backward(hidden, weight, safe, scored, lse)
         ctx.chunk_size, ctx.dtype = chunk_size, dtype
-        return loss
+        return torch.where(scored, lse - picked, 0.0)
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        with torch.autocast(device_type=grad_loss.device.type, enabled=False):
-            return _ChunkedCrossEntropy._backward(ctx, grad_loss)
+    def backward(ctx: Any, grad_tokens: Tensor) -> tuple[Tensor | None, ...]:
+        with torch.autocast(device_type=grad_tokens.device.type, enabled=False):
+            return _ChunkedCrossEntropy._backward(ctx, grad_tokens)
 
     @staticmethod
-    def _backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, safe, scored, lse, count = ctx.saved_tensors
+    def _backward(ctx: Any, grad_tokens: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, safe, scored, lse = ctx.saved_tensors
         dtype, chunk_size = ctx.dtype, ctx.chunk_size
         w = weight.to(dtype)
-        # d loss / d logits_t = (softmax_t − onehot(y_t)) · grad / count for scored t.
-        scale = torch.where(scored, grad_loss.float() / count, 0.0)
+        # d loss_t / d logits_t = (softmax_t − onehot(y_t)) · grad_t for scored t (the mean's
+        # grad_t is grad / count, as autograd passes it down).
+        scale = torch.where(scored, grad_tokens.float(), 0.0)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -92,7 +92,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int,
+    reduction: str = "mean",
 ) -> Tensor:
     """Mean token cross-entropy of ``hidden @ weightᵀ`` against ``targets``, chunked.
 
@@ -100,8 +101,13 @@ def chunked_cross_entropy(
     (the output head, no bias); ``targets``: ``hidden.shape[:-1]`` token ids, -100 =
     not scored. ``chunk_size`` tokens of the flattened batch form one chunk. Returns
     a 0-d fp32 tensor equal to ``F.cross_entropy(F.linear(hidden, weight).float(),
-    targets)`` with its gradients, without ever holding more than one chunk of logits.
+    targets)`` with its gradients, without ever holding more than one chunk of logits;
+    ``reduction="none"``: each target's loss, ``targets``' shape (0 where not scored),
+    as ``F.cross_entropy(..., reduction="none")``.
     """
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"chunked_cross_entropy: reduction must be 'mean' or 'none', got "
+                         f"{reduction!r}")
     if chunk_size < 1:
         raise ValueError(f"chunked_cross_entropy: chunk_size must be ≥ 1, got {chunk_size}")
     if targets.shape != hidden.shape[:-1]:
@@ -111,7 +117,10 @@ def chunked_cross_entropy(
         )
     dtype = _compute_dtype(hidden)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        loss: Tensor = _ChunkedCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        tokens: Tensor = _ChunkedCrossEntropy.apply(  # type: ignore[no-untyped-call]
             hidden.flatten(0, -2), weight, targets.flatten(), chunk_size, dtype
         )
+        if reduction == "none":
+            return tokens.view(targets.shape)
+        loss: Tensor = tokens.sum() / (targets != IGNORE_INDEX).sum()
     return loss

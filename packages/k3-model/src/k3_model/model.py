@@ -193,14 +193,17 @@ class K3Model(nn.Module):
 
     @overload
     def forward(self, x: Tensor, targets: None = None, *,
-                document_ids: Tensor | None = None) -> tuple[Tensor, None]: ...
+                document_ids: Tensor | None = None, reduction: str = "mean"
+                ) -> tuple[Tensor, None]: ...
 
     @overload
     def forward(self, x: Tensor, targets: Tensor, *,
-                document_ids: Tensor | None = None) -> tuple[Tensor | None, Tensor]: ...
+                document_ids: Tensor | None = None, reduction: str = "mean"
+                ) -> tuple[Tensor | None, Tensor]: ...
 
     def forward(
-        self, x: Tensor, targets: Tensor | None = None, *, document_ids: Tensor | None = None
+        self, x: Tensor, targets: Tensor | None = None, *, document_ids: Tensor | None = None,
+        reduction: str = "mean",
     ) -> tuple[Tensor | None, Tensor | None]:
         """``(logits, loss)`` for token ids ``x`` ``(B, T)``.
 
@@ -219,8 +222,12 @@ class K3Model(nn.Module):
 
         Under context parallelism (:meth:`set_context_parallel`) ``x``, ``targets`` and
         ``document_ids`` are this rank's slice of every row, and the logits and loss are
-        the slice's.
+        the slice's. ``reduction="none"`` returns each target's loss instead of their
+        mean, ``(B, T)`` fp32 (0 where the target is -100), with its gradients: what a
+        caller needs to split the loss by rows (a mixture's sources) from one forward.
         """
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"K3Model: reduction must be 'mean' or 'none', got {reduction!r}")
         if x.ndim != 2:
             raise ValueError(
                 f"K3Model: x must be (batch, seq) token ids, got shape {tuple(x.shape)}"
@@ -251,10 +258,11 @@ class K3Model(nn.Module):
             return self.lm_head(h), None
         if self.config.loss_chunk_size:
             return None, chunked_cross_entropy(
-                h, self.lm_head.weight, targets, self.config.loss_chunk_size)
+                h, self.lm_head.weight, targets, self.config.loss_chunk_size, reduction)
         logits: Tensor = self.lm_head(h)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return logits, loss
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               reduction=reduction)
+        return logits, loss.view(targets.shape) if reduction == "none" else loss
 
     def _rope(self, t: int, documents: Documents | None, device: torch.device
               ) -> tuple[Tensor, Tensor] | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .generate import CachedDecoder, prefill
+from .generate import CachedDecoder, check_token_ids, prefill
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,8 @@ def _check(requests: Sequence[Continuations], vocab: int) -> None:
                 len(c) == 0 for c in request.continuations):
             raise ValueError(f"score: request {n} needs a non-empty context and at least "
                              "one continuation, each of at least one token")
-        bad = [t for t in (*request.context, *(t for c in request.continuations for t in c))
-               if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"score: request {n} has token id {bad[0]} outside the "
-                             f"vocabulary [0, {vocab})")
+        check_token_ids((*request.context, *(t for c in request.continuations for t in c)),
+                        vocab, f"score: request {n}")
 
 
 @torch.no_grad()

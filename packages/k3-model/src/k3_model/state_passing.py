@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .kda import chunk_kda
+from .delta_rule import chunk_kda
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:

@@ -17,6 +17,8 @@ decay=)``
 ``set_activation_checkpointing``  ``activation_checkpointing`` must stay ``"none"``
 ``set_moe_stats``,                no MoE routing metrics
 ``pop_moe_stats``
+``forward(..., reduction=         a mixture's ``train`` events carry no per-source loss
+"none")`` (each target's loss)
 ================================  ==========================================================
 
 :func:`check_model` reads the model once, when a trainer is built, and raises one
@@ -158,6 +160,19 @@ def check_takes_documents(model: nn.Module) -> None:
                           "document_ids; turn document_masking off for this model") from None
     except ValueError:
         pass
+
+
+def takes_reduction(model: nn.Module) -> bool:
+    """Whether ``forward(x, targets=y, reduction="none")`` is accepted: the model can give
+    each target's loss, which a mixture's per-source training loss needs (without it the
+    ``train`` events carry none)."""
+    try:
+        inspect.signature(model.forward).bind(None, targets=None, reduction="none")
+    except TypeError:
+        return False
+    except ValueError:
+        return False
+    return True
 
 
 def read_contract(model: object) -> ModelContract:

@@ -29,12 +29,17 @@ from .data.tokenizer import (
     byte_decoder,
     require_tokenizers,
 )
+from .json_file import read_json_object
 from .models import HubFolderError, ModelSpec, spec_for_model_type
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 BYTE_EOD_NAME = "<|endoftext|>"
 """The name the byte-level tokenizer file gives byte 0xFF, the byte runs' end of document."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+DOCUMENT_MASKING = "document_masking"
+"""The ``config.json`` field an export of a run trained with ``document_masking`` carries
+(true), so that ``eval --model`` reads the folder's validation data the same way."""
 
 
 @cache
@@ -90,16 +95,19 @@ def _hub_of(spec: ModelSpec, what: str) -> Any:
 
 
 def export_model(model: nn.Module, spec: ModelSpec, codec: Codec, out: Path, *,
-                 max_seq_len: int, dtype: str = "fp32", overwrite: bool = False) -> Path:
+                 max_seq_len: int, dtype: str = "fp32", overwrite: bool = False,
+                 document_masking: bool = False) -> Path:
     """Write ``model`` with the run's tokenizer into the hub folder ``out``: a new or empty
     folder, or (``overwrite``) a previous export, replaced once the new one is complete.
-    Any other ``out`` is refused in one line naming what it holds."""
+    Any other ``out`` is refused in one line naming what it holds. A model trained with
+    ``document_masking`` says so in its ``config.json`` (:data:`DOCUMENT_MASKING`)."""
     hub = _hub_of(spec, "export")
+    trained = {"config_fields": {DOCUMENT_MASKING: True}} if document_masking else {}
     try:
         written: Path = hub.save(model, out, dtype=DTYPES[dtype], bos_token_id=codec.eod_id,
                                  eos_token_id=codec.eod_id,
                                  extra_files=tokenizer_files(codec, max_seq_len),
-                                 overwrite=overwrite)
+                                 overwrite=overwrite, **trained)
         return written
     except HubFolderError as exc:
         raise ConfigError(f"export: {exc}") from None
@@ -129,18 +137,25 @@ def out_refusal(out: Path, exc: FileExistsError) -> str:
 
 def folder_spec(folder: Path, flag: str = "--model") -> ModelSpec:
     """The model spec whose hub format reads ``folder`` (by its config.json's model_type)."""
-    path = folder / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{flag} {folder}: no config.json; not a hub model folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{flag} {path} cannot be read: {exc}") from None
-    model_type = data.get("model_type") if isinstance(data, dict) else None
+    data = folder_config(folder, flag)
+    model_type = data.get("model_type")
     try:
         return spec_for_model_type(model_type)
     except ConfigError as exc:
         raise ConfigError(f"{flag} {folder}: {exc}") from None
+
+
+def folder_config(folder: Path, flag: str = "--model") -> dict[str, Any]:
+    """A hub folder's ``config.json``."""
+    return read_json_object(folder / "config.json", ConfigError,
+                            what=f"{flag} {folder}/config.json",
+                            missing=f"{flag} {folder}: no config.json; not a hub model folder")
+
+
+def trained_with_document_masking(folder: Path) -> bool:
+    """Whether the hub folder's model was trained with documents kept apart (its
+    ``config.json`` says so: ``"document_masking": true``)."""
+    return folder_config(folder).get(DOCUMENT_MASKING) is True
 
 
 def _tokenizer_text(folder: Path) -> str | None:
@@ -192,14 +207,13 @@ def _folder_token_ids(folder: Path, spec: ModelSpec) -> dict[str, int | None]:
     ids: dict[str, int | None] = {}
     try:
         ids = dict(_hub_of(spec, str(folder)).token_ids(folder))
-        if generation.is_file():
-            data = json.loads(generation.read_text(encoding="utf-8"))
-            eos = data.get("eos_token_id")
-            eos = eos[0] if isinstance(eos, list) and eos else eos
-            if isinstance(eos, int):
-                ids["eos_token_id"] = eos
-    except (HubFolderError, OSError, json.JSONDecodeError) as exc:
+    except HubFolderError as exc:
         raise ConfigError(f"{folder}: {exc}") from None
+    if generation.is_file():
+        eos = read_json_object(generation, ConfigError).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int):
+            ids["eos_token_id"] = eos
     return ids
 
 

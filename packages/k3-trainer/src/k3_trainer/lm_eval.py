@@ -7,6 +7,16 @@ registers itself when this module is imported::
     import lm_eval
     lm_eval.simple_evaluate(model="k3", model_args="pretrained=runs/r1", tasks=["hellaswag"])
 
+lm-eval fills its registry with its own backends lazily, only while the registry is empty;
+registering first would hide them ("no model for this name found! Supported model names:
+k3"), so this module imports ``lm_eval.models`` (whose import registers lm-eval's own
+backends) before it adds ``k3``: ``hf`` and ``k3`` then run side by side in one process.
+
+``python -m k3_trainer.lm_eval ARGS`` is lm-eval's own command line (``lm-eval ARGS``,
+every flag of it) with ``k3`` registered: ``python -m k3_trainer.lm_eval --model k3
+--model_args pretrained=runs/r1 --tasks hellaswag``. lm-eval's default device is
+``cuda:0``; on a machine without CUDA the backend says so once and runs on the CPU.
+
 ``pretrained`` is a ``k3-train`` run directory (its latest checkpoint, or ``step=N``'s) or
 a hub folder (``k3-train export``'s). Texts begin with the document start
 (:func:`~k3_trainer.data.document_start`), as training saw documents, and are encoded as
@@ -27,6 +37,8 @@ dependency of the core packages. It opens run directories and hub folders throug
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +57,7 @@ from .config import ConfigError
 from .data import Codec, document_start
 from .record import RUN_RECORD
 from .session import open_model, parse_device
-from .tasks.scoring import encode_choice, score_pairs
+from .tasks.scoring import check_vocabulary, encode_choice, fit_window, score_pairs
 
 
 def load_model(pretrained: str | Path, step: int | None, device: torch.device
@@ -64,7 +76,18 @@ def load_model(pretrained: str | Path, step: int | None, device: torch.device
     return opened.model, opened.codec
 
 
-@register_model("k3")
+def backend_device(device: str | None) -> torch.device:
+    """The device the backend scores on: ``device`` (``auto``/None: CUDA when there is
+    one), or the CPU, with a note, when it names CUDA on a machine without (lm-eval's
+    own default is ``cuda:0``)."""
+    name = device or "auto"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        print(f"k3: note: no CUDA device here; scoring on the CPU (device {name} asked)",
+              file=sys.stderr)
+        name = "cpu"
+    return parse_device(name)
+
+
 class K3LM(LM):  # type: ignore[misc]
     """``K3LM(pretrained=PATH, step=None, batch_size=8, device="auto")``."""
 
@@ -72,7 +95,7 @@ class K3LM(LM):  # type: ignore[misc]
                  batch_size: int | str | None = 8, device: str | None = "auto",
                  max_batch_size: int | None = None, **_: Any) -> None:
         super().__init__()
-        self.torch_device = parse_device(device or "auto")
+        self.torch_device = backend_device(device)
         self.model, self.codec = load_model(pretrained, None if step in (None, "") else
                                             int(step), self.torch_device)
         self.model.eval()
@@ -121,7 +144,7 @@ class K3LM(LM):  # type: ignore[misc]
             sample = bool(options.pop("do_sample", False))
             temperature = float(options.pop("temperature", 0.0)) if sample else 0.0
             new = max(1, min(new, self.max_length - 1))
-            ids = [self.start, *self._encode(context)][-(self.max_length - new):]
+            ids = fit_window([self.start, *self._encode(context)], new, self.max_length)
             tokens = self.model.generate([ids], new, temperature=temperature,
                                          stop_ids=(self.codec.eod_id,))[0]
             text = self.codec.decode(tokens)
@@ -133,14 +156,26 @@ class K3LM(LM):  # type: ignore[misc]
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Each (context, continuation): its log-likelihood and whether it is greedy."""
-        bad = [t for context, continuation in pairs for t in (*context, *continuation)
-               if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ConfigError(f"the model's vocabulary ({self.vocab_size}) cannot encode token "
-                              f"id {bad[0]}: the tokenizer and the model disagree")
+        check_vocabulary(pairs, self.vocab_size, "an lm-eval request")
         return [(s.loglik, s.greedy)
                 for s in score_pairs(self.model, pairs, max_len=self.max_length,
                                      batch_size=self.batch_size)]
 
 
-__all__ = ["K3LM", "load_model"]
+def main(argv: Sequence[str] | None = None) -> None:
+    """lm-eval's own command line (``lm-eval ARGS``) with ``k3`` registered: ``argv``
+    (default: this process's arguments) as lm-eval's."""
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
+    cli_evaluate()
+
+
+if __name__ == "__main__":  # python -m k3_trainer.lm_eval: register from the module itself
+    importlib.import_module("k3_trainer.lm_eval").main()
+else:
+    importlib.import_module("lm_eval.models")  # lm-eval's own backends first (see above)
+    register_model("k3")(K3LM)
+
+
+__all__ = ["K3LM", "backend_device", "load_model", "main"]

@@ -40,13 +40,14 @@ from .checkpoint.components import CALLBACKS, COUNTERS, GRAD_SCALER, LOADERS, MO
 from .checkpoint.saves import WRITE_FAILED, Saves
 from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
-from .contract import ModelContract, check_model, check_takes_documents
+from .contract import ModelContract, check_model, check_takes_documents, takes_reduction
 from .data import BatchLoader, DataExhausted, check_vocab_fits
 from .data.documents import document_boundary, document_ids
 from .distributed import Parallel, clip_grad_norm
 from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
+from .observe.sources import SourceLosses
 from .pipeline import Pipeline, PipelineEvaluation
 from .precision import (
     autocast,
@@ -139,6 +140,12 @@ class Trainer:
         # The run's own instruments, built once: the log window and the MoE diagnostics.
         self.window = TrainingWindow(self.device, precision=config.precision,
                                      flops_per_token=self.contract.flops_per_token(config.seq_len))
+        row_sources = getattr(self.loaders.train, "row_sources", None)
+        self.by_source: SourceLosses | None = None
+        """A mixture's training loss by source (when the model gives each target's loss)."""
+        if callable(row_sources) and not config.overfit_batch and takes_reduction(model):
+            self.by_source = SourceLosses(list(self.loaders.train.sources),  # type: ignore[attr-defined]
+                                          self.device)
         self.moe = MoEDiagnostics(
             self.contract,
             moved_bytes=(lambda: parallel.moved_bytes(self.model))
@@ -247,6 +254,8 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.window.reset(None)
+        if self.by_source is not None:
+            self.by_source.reset()
         qk_reduce = self.parallel.data_max_ if self.parallel is not None else None
         compile_clock = CompileClock()
         with self.profiler, self.moe, compile_clock, \
@@ -359,12 +368,12 @@ class Trainer:
                 documents = {} if self._document_boundary is None else {
                     "document_ids": document_ids(x, self._document_boundary)}
                 with autocast(self.device, config.precision):
-                    _, loss = self.forward(x, targets=y, **documents)
+                    loss = self._loss(x, y, documents)
                 value = loss.item() if self.parallel is None else self._mean_loss(loss)
             if not math.isfinite(value):
                 raise FloatingPointError(f"Non-finite training loss at step {step}")
             with profiler.region("train/backward"):
-                scaler.scale(loss / config.gradient_accumulation_steps).backward()
+                scaler.scale(loss / config.gradient_accumulation_steps).backward()  # type: ignore[no-untyped-call]
             loss_sum += value / config.gradient_accumulation_steps
             tokens += y.numel() * self.world
             self.state.tokens_seen += y.numel() * self.world
@@ -394,6 +403,10 @@ class Trainer:
             # exactly when scaler.step skipped the optimizer. Reading found-inf with the
             # norm spares the two get_scale() syncs; the scaler state is read when a
             # checkpoint or the session end needs it.
+            if self.by_source is not None and overflow:
+                self.by_source.discard()
+            elif self.by_source is not None:
+                self.by_source.commit()
             with profiler.region("train/qk_clip"):
                 if overflow:
                     qk_clip.reset()
@@ -421,6 +434,18 @@ class Trainer:
         if not math.isfinite(value):
             raise FloatingPointError(f"Non-finite training loss at step {step}")
         return value
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, documents: dict[str, Any]
+              ) -> torch.Tensor:
+        """The microbatch's mean token loss; for a mixture, from each target's loss, whose
+        rows also go to their sources' sums (on the device: no host read)."""
+        if self.by_source is None:
+            _, loss = self.forward(x, targets=y, **documents)
+            return loss  # type: ignore[no-any-return]
+        _, token_losses = self.forward(x, targets=y, reduction="none", **documents)
+        sources = self.loaders.train.row_sources()  # type: ignore[attr-defined]
+        self.by_source.add(token_losses, y, sources.to(self.device, non_blocking=True))
+        return token_losses.sum() / y.numel()  # type: ignore[no-any-return]
 
     def _skipped(self, attempt: _Attempt, consecutive: int) -> None:
         """An FP16 overflow skipped the update: count it; the same step is tried again with
@@ -462,8 +487,11 @@ class Trainer:
         """Report the log window's summary (``train`` event) and start a new window."""
         with self.profiler.region("log"):
             by_source = getattr(self.loaders.train, "tokens_by_source", None)
+            losses = {} if self.by_source is None else {"loss_by_source": self.by_source.summary(
+                self.parallel.sum_ if self.parallel is not None else None)}
             self._event("train", step=self.state.step, tokens_seen=self.state.tokens_seen,
                         **({"tokens_by_source": by_source()} if callable(by_source) else {}),
+                        **losses,
                         skipped_updates=self.state.skipped_updates,
                         **self.window.summary(self.profiler),
                         **self.moe.summary(self.window.updates + self.window.skipped))

@@ -21,6 +21,7 @@ import torch
 
 from ..config import K3Config
 from ..model import K3Model
+from .card import README, model_card
 from .config import (
     KIMI_K3,
     KIMI_LINEAR,
@@ -55,13 +56,19 @@ def save_pretrained(model: K3Model, path: str | Path, *, dtype: torch.dtype | No
                     max_shard_bytes: int = 5 * 2**30, bos_token_id: int | None = None,
                     eos_token_id: int | None = None, pad_token_id: int | None = None,
                     extra_files: Mapping[str, str | bytes] | None = None,
+                    config_fields: Mapping[str, Any] | None = None,
                     overwrite: bool = False) -> Path:
     """Write ``model`` as a hub folder at ``path`` (complete or absent, never half-written).
 
     ``dtype`` casts the floating weights (default: as they are; :data:`KEEP_FP32` stay
     fp32); a shard holds at most ``max_shard_bytes``. The token ids go into
     ``config.json``, and with ``eos_token_id`` a ``generation_config.json`` is written.
-    ``extra_files`` (name → text or bytes, e.g. the tokenizer's) are written beside.
+    ``extra_files`` (name → text or bytes, e.g. the tokenizer's) are written beside;
+    ``config_fields`` are added to ``config.json``'s top level (facts about how the model
+    was trained that its shape does not say, e.g. ``document_masking``; never a field of
+    the hub config itself). A ``README.md`` says how transformers loads the folder (for
+    the Kimi K3 form, the line that installs the packages its modeling code runs:
+    :mod:`k3_model.hub.card`).
     An existing non-empty ``path`` is replaced only with ``overwrite`` and only when it is
     a previous export (:func:`~k3_model.hub.files.export_refusal`), once the new one is
     complete; any other is refused naming what it holds (:class:`~k3_model.hub.files.FolderInUse`).
@@ -85,6 +92,12 @@ def save_pretrained(model: K3Model, path: str | Path, *, dtype: torch.dtype | No
                    else t.to(dtype) for name, t in tensors.items()}
     stored = _DTYPE_NAMES.get(tensors[next(iter(tensors))].dtype, "float32")
     config_json.get("text_config", config_json)["dtype"] = config_json["dtype"] = stored
+    taken = sorted(set(config_fields or {}) & set(config_json))
+    if taken:
+        raise ValueError(f"config_fields: {', '.join(taken)} belong to the hub config; add "
+                         "only fields of your own")
+    config_json.update(config_fields or {})
+    card = model_card(str(config_json["model_type"]), remote=bool(code))
     with atomic_folder(Path(path), overwrite=overwrite) as folder:
         write_tensors(folder, tensors, max_shard_bytes)
         write_json(folder / CONFIG, config_json)
@@ -93,10 +106,10 @@ def save_pretrained(model: K3Model, path: str | Path, *, dtype: torch.dtype | No
             if pad_token_id is not None:
                 generation["pad_token_id"] = pad_token_id
             write_json(folder / GENERATION_CONFIG, generation)
-        for name, text in code.items():
+        for name, text in {**code, README: card}.items():
             (folder / name).write_text(text, encoding="utf-8")
         for name, content in (extra_files or {}).items():
-            if "/" in name or name in (CONFIG, GENERATION_CONFIG, *code):
+            if "/" in name or name in (CONFIG, GENERATION_CONFIG, README, *code):
                 raise ValueError(f"extra_files: {name!r} must be a plain file name other "
                                  "than the ones save_pretrained writes")
             target = folder / name

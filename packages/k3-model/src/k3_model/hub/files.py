@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .card import README, written_by_us
 from .config import HubFormatError
 from .remote import REMOTE_FILES
 
@@ -30,10 +31,12 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 EXPORT_FILES = frozenset({CONFIG, SINGLE, INDEX, "generation_config.json", *REMOTE_FILES,
-                          "tokenizer.json", "tokenizer_config.json"})
+                          README, "tokenizer.json", "tokenizer_config.json"})
 """The names a previous export may hold, beside its shards (:data:`SHARD`): what
 ``save_pretrained`` writes (``config.json``, the weights, ``generation_config.json``, the
-Kimi K3 form's modeling code) and the tokenizer files ``k3-train export`` adds."""
+Kimi K3 form's modeling code, ``README.md``) and the tokenizer files ``k3-train export``
+adds. A ``README.md`` counts only as the one an export writes (its first line says so):
+one a person wrote or edited there is theirs, never replaced."""
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 """A shard's name (``model-00001-of-00003.safetensors``), as :func:`write_tensors` and
 transformers name them."""
@@ -74,7 +77,8 @@ def _entries(folder: Path) -> tuple[list[str], list[str]]:
         name = entry.name + ("@" if link else "/" if sub else "")
         names.append(name)
         if link or sub or not entry.is_file() or not (
-                entry.name in EXPORT_FILES or SHARD.fullmatch(entry.name)):
+                entry.name in EXPORT_FILES or SHARD.fullmatch(entry.name)) or (
+                entry.name == README and not written_by_us(entry)):
             unexpected.append(name)
     return names, unexpected
 

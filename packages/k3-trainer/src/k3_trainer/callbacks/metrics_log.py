@@ -28,12 +28,16 @@ class MetricsLog(Callback):
 
     def _open(self, path: Path) -> TextIO:
         """The file, opened for appending (again after :meth:`close`: a later session of
-        the same trainer writes on)."""
+        the same trainer writes on). A last line a crash cut short (no newline: never a
+        complete event) is removed first, so the log stays one JSON event per line and
+        only its end can be torn."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        torn = path.exists() and path.stat().st_size > 0 and path.read_bytes()[-1:] != b"\n"
+        if path.exists() and path.stat().st_size > 0:
+            data = path.read_bytes()
+            if not data.endswith(b"\n"):
+                with open(path, "r+b") as file:
+                    file.truncate(data.rfind(b"\n") + 1)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        if torn:  # a crash cut the last line short: keep the next event on its own line
-            self._file.write("\n")
         return self._file
 
     def write(self, event: str, **fields: Any) -> Record:

@@ -63,8 +63,9 @@ class ProgressBar(Callback):
 
 class LogLines(Callback):
     """Plain lines for a log file (nohup, a job log, CI), where a progress bar would print
-    nothing useful: one per log window (step, loss, lr, tokens/s, elapsed, ETA) and one
-    per evaluation (validation, a mixture's each source too, or downstream tasks)."""
+    nothing useful: one per log window (step, loss — a mixture's each source too — lr,
+    tokens/s, elapsed, ETA) and one per evaluation (validation, a mixture's each source
+    too, or downstream tasks with the tasks ``core`` averages)."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
@@ -80,7 +81,8 @@ class LogLines(Callback):
         done = step - self.first_step
         eta = elapsed / done * (total - step) if done > 0 else math.nan
         rate = record.get("tokens_per_s")
-        self._say(f"step {step}/{total} | loss {_num(record.get('loss'), '.4f')} | "
+        self._say(f"step {step}/{total} | loss {_num(record.get('loss'), '.4f')}"
+                  f"{_train_sources(record)} | "
                   f"lr {_num(record.get('lr'), '.2e')} | {_num(rate, ',.0f')} tokens/s | "
                   f"elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
 
@@ -90,8 +92,9 @@ class LogLines(Callback):
             tasks = " | ".join(
                 f"{name} acc {m['acc']:.4f} acc_norm {m['acc_norm']:.4f} bpb {m['bpb']:.4f}"
                 for name, m in downstream["tasks"].items())
+            averaged = ", ".join(downstream.get("core_tasks") or downstream["tasks"])
             self._say(f"step {record['step']}/{trainer.config.max_steps} | {tasks} | core "
-                      f"{downstream['core']:+.4f}")
+                      f"{downstream['core']:+.4f} (mean centered_acc of {averaged})")
             return
         bpb = record.get("val_bpb")
         tokens = record.get("val_tokens")
@@ -104,6 +107,16 @@ class LogLines(Callback):
     def _say(self, line: str) -> None:
         stream = self.stream if self.stream is not None else sys.stdout
         print(line, file=stream, flush=True)
+
+
+def _train_sources(record: Record) -> str:
+    """A mixture's training loss, source by source, after the window's: ``" (web 3.2100,
+    code 2.8700)"``; empty for one dataset."""
+    sources = record.get("loss_by_source")
+    if not isinstance(sources, dict) or len(sources) < 2:
+        return ""
+    return " (" + ", ".join(f"{name} {_num(value, '.4f')}"
+                            for name, value in sources.items()) + ")"
 
 
 def _sources_line(record: Record) -> str:

@@ -94,8 +94,8 @@ def _tasks(command: EvalCommand, device: Any, data: Path | None) -> int:
     totals = summary(results)
     for name, result in results.items():
         print(f"{where}: {format_task(name, result.metrics)}")
-    print(f"{where}: core {totals['core']:.4f} (mean centered_acc of {len(results)} "
-          f"task{'s' if len(results) > 1 else ''})")
+    print(f"{where}: core {totals['core']:+.4f} (mean centered_acc of "
+          f"{', '.join(totals['core_tasks'])})")
     for name, result in results.items():
         dropped = sum(1 for d in result.docs if d.dropped)
         if dropped:
@@ -107,8 +107,12 @@ def _tasks(command: EvalCommand, device: Any, data: Path | None) -> int:
                   f"a continuation alone is longer than the model's window ({max_len} tokens)",
                   file=sys.stderr)
     if command.output is not None:
-        write_json(command.output, {"tasks": {n: r.to_json() for n, r in results.items()},
-                                     "core": totals["core"]})
+        measured = ({"model": str(command.model)} if command.model is not None else
+                    {"run_dir": str(command.run_dir), "step": opened.step})
+        write_json(command.output, {**measured, "limit": command.limit,
+                                     "tasks": {n: r.to_json() for n, r in results.items()},
+                                     "core": totals["core"],
+                                     "core_tasks": totals["core_tasks"]})
     return 0
 
 

@@ -19,7 +19,8 @@ def run(command: ExportCommand, notes: tuple[str, ...] = ()) -> int:
         and any(out.iterdir())
     written = export_model(run_.model.cpu(), run_.spec, codec, out,
                            max_seq_len=run_.max_seq_len, dtype=command.dtype,
-                           overwrite=command.overwrite)
+                           overwrite=command.overwrite,
+                           document_masking=run_.config.document_masking)
     size = sum(p.stat().st_size for p in written.iterdir())
     assert run_.spec.hub is not None  # export_model refused a spec without one
     replaced = ", replacing the previous export" if replacing else ""

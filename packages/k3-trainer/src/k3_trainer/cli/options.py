@@ -88,7 +88,11 @@ class PrepareCommand:
     text_field: str = "text"
     """the text field of JSONL records / Parquet rows"""
     eod_token: str | None = option(None, metavar="TOKEN")
-    """end-of-document token of --tokenizer (default: a known name)"""
+    """end-of-document token of --tokenizer (default: a known name); it must not occur
+    inside the documents' text (see --allow-eod-in-text)"""
+    allow_eod_in_text: bool = False
+    """keep going when the end-of-document token occurs inside documents (they are then
+    cut there, --document-masking too); the manifest records how often"""
     workers: int | None = option(None, parse=positive_int, metavar="N")
     """tokenizer processes (default: all cores)"""
     shard_tokens: int = option(DEFAULT_SHARD_TOKENS, parse=positive_int, metavar="N")

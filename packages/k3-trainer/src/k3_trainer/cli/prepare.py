@@ -20,7 +20,8 @@ def run(command: PrepareCommand, notes: tuple[str, ...] = ()) -> int:
         eod_token=command.eod_token, workers=command.workers or default_workers(),
         shard_tokens=command.shard_tokens,
         shuffle_seed=None if command.no_shuffle else command.shuffle_seed,
-        include=tuple(command.include or ()), exclude=tuple(command.exclude or ()))
+        include=tuple(command.include or ()), exclude=tuple(command.exclude or ()),
+        allow_eod_in_text=command.allow_eod_in_text)
     progress = sys.stderr.isatty()
     if command.out_each is None:
         assert command.out is not None  # argparse requires one of --out and --out-each

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..json_file import read_json_object
+
 if TYPE_CHECKING:
     from .protocol import BatchLoader
 
@@ -64,14 +66,11 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise DataError(f"{path} not found: prepare a dataset with `k3-train prepare --out DIR`")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path} is not valid JSON: {exc}") from None
-    if isinstance(manifest, dict) and manifest.get("format") in OLD_FORMATS:
+    manifest = read_json_object(path, DataError)
+    if manifest.get("format") in OLD_FORMATS:
         raise DataError(f"{path} is a {manifest['format']} manifest from an older k3-trainer; "
                         f"prepare the dataset again (`k3-train prepare`) to get {MANIFEST_FORMAT}")
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    if manifest.get("format") != MANIFEST_FORMAT:
         raise DataError(f"{path} is not a {MANIFEST_FORMAT} manifest")
     vocab = manifest.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:

@@ -167,6 +167,7 @@ class MixtureLoader:
         self.epochs = dict.fromkeys(self.sources, 0)
         self.drawn = dict.fromkeys(self.sources, 0)  # rows, every rank's
         self._pending: list[tuple[str, int]] = []
+        self._last_rows: list[str] = []  # the source of each row of the last batch read
 
     @property
     def identity(self) -> list[dict[str, Any]]:
@@ -206,6 +207,7 @@ class MixtureLoader:
         return rows, after
 
     def _read(self, rows: list[tuple[str, int]]) -> Batch:
+        self._last_rows = [name for name, _ in rows]
         windows = [self.sources[name].window(offset, self.seq_len + 1)
                    for name, offset in rows]
         block = torch.from_numpy(np.stack(windows).astype(np.int64))
@@ -242,6 +244,12 @@ class MixtureLoader:
         call."""
         pending, self._pending = self._pending, []
         return pending
+
+    def row_sources(self) -> torch.Tensor:
+        """Which source each row of the last batch read came from: ``(B,)`` indices into
+        the sources in order (``list(self.sources)``), for a per-source training loss."""
+        names = list(self.sources)
+        return torch.tensor([names.index(name) for name in self._last_rows], dtype=torch.long)
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens drawn from each source (the global batch, every rank's rows)."""

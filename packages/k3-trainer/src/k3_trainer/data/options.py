@@ -55,3 +55,8 @@ class PrepareOptions:
     exclude: tuple[str, ...] = ()
     """Glob patterns on file names: files inside input folders not to read (applied after
     ``include``; files named as inputs are always read)."""
+    allow_eod_in_text: bool = False
+    """Keep going when the end-of-document token occurs inside the documents' own text (an
+    ordinary token named by ``eod_token``, or a special token's text in the corpus): the
+    shards then hold it where no document ends, and document masking cuts the documents
+    there. Refused without it; the manifest records how often it occurred."""

@@ -281,7 +281,8 @@ def _write(corpus: _Corpus, codec: Codec, origin: dict[str, Any], staging: Path,
         shuffle = DocumentShuffle(staging, options.shuffle_seed, buckets, dtype)
         sink = _Shuffled(writers, every, shuffle)
         order = {"order": "shuffled", "seed": options.shuffle_seed, "buckets": buckets}
-    _tokenize_into(corpus, codec, sink, options.workers, progress, label)
+    inside = _tokenize_into(corpus, codec, sink, options.workers, progress, label,
+                            options.allow_eod_in_text)
     train, val = writers["train"], writers["val"]
     if train.tokens + val.tokens < 2:
         what = f"the input {corpus.labels[0]}" if one_of_many else "the corpus"
@@ -294,9 +295,10 @@ def _write(corpus: _Corpus, codec: Codec, origin: dict[str, Any], staging: Path,
                 "why": "the built-in corpus" if builtin else f"fewer than {every} documents",
                 **order}
 
+    allowed = {"eod_in_text": inside} if options.allow_eod_in_text else {}
     manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
-        "tokenizer": {**codec.describe(), **origin},
+        "tokenizer": {**codec.describe(), **origin, **allowed},
         "vocab_size": codec.vocab_size,
         "dtype": dtype,
         "token_bytes": write_table(staging, table),
@@ -337,7 +339,9 @@ def describe_prepared(out_dir: str | Path, manifest: dict[str, Any]) -> str:
             + (f" (skipped {', '.join(skipped)})" if skipped else "")
             + per_token
             + f"; tokenizer {tokenizer['kind']}, vocab_size {manifest['vocab_size']}, "
-            f"end-of-document id {tokenizer['eod_id']}")
+            f"end-of-document id {tokenizer['eod_id']}"
+            + (f" (inside the documents' text {tokenizer['eod_in_text']:,} times: "
+               "--allow-eod-in-text)" if tokenizer.get("eod_in_text") else ""))
 
 
 class _Corpus:
@@ -496,14 +500,15 @@ def _init_pool_worker(spec: dict[str, Any]) -> None:
     _init_worker(spec)
 
 
-Encoded = tuple[list[str], np.ndarray, np.ndarray, int]
+Encoded = tuple[list[str], np.ndarray, np.ndarray, int, int, int]
 
 
 def _encode_task(items: list[tuple[str, str | None]]) -> Encoded:
     """Per piece its status (``documents``, a skip reason, or ``invalid:MESSAGE``); the
     documents' token ids as one array with the offsets where each starts (one array, not
     one per document, is what makes the trip back from a worker cheap); their UTF-8 size
-    (for the progress rate)."""
+    (for the progress rate); how often the end-of-document id occurs inside them and the
+    first document it occurs in (-1: none)."""
     codec = _WORKER_CODEC
     assert codec is not None
     statuses, texts = [], []
@@ -517,7 +522,10 @@ def _encode_task(items: list[tuple[str, str | None]]) -> Encoded:
     np.cumsum([len(a) for a in ids], out=offsets[1:])
     flat = np.concatenate(ids) if ids else np.empty(0)
     size = sum(len(t.encode("utf-8")) for t in texts)
-    return statuses, flat.astype(token_dtype(codec.vocab_size), copy=False), offsets, size
+    inside = np.flatnonzero(flat == codec.eod_id)
+    first = int(np.searchsorted(offsets, inside[0], side="right")) - 1 if inside.size else -1
+    return (statuses, flat.astype(token_dtype(codec.vocab_size), copy=False), offsets, size,
+            int(inside.size), first)
 
 
 def _tokenized(tasks: Iterator[Task], codec: Codec, workers: int
@@ -605,15 +613,19 @@ class _Shuffled(_Splitter):
 
 
 def _tokenize_into(corpus: _Corpus, codec: Codec, sink: _Splitter, workers: int,
-                   progress: bool, label: str = "prepare") -> None:
+                   progress: bool, label: str = "prepare", allow_eod_in_text: bool = False
+                   ) -> int:
+    """Tokenize the corpus into ``sink``; returns how often the end-of-document id occurred
+    inside the documents (refused at the first task where it does, unless
+    ``allow_eod_in_text``)."""
     from tqdm import tqdm
 
     bar = tqdm(unit="B", unit_scale=True, desc=label, disable=not progress,
                dynamic_ncols=True, file=sys.stderr)
-    start, tokens = time.perf_counter(), 0
+    start, tokens, inside = time.perf_counter(), 0, 0
     with bar:
-        for meta, (statuses, ids, offsets, size) in _tokenized(_tasks(corpus.pieces()), codec,
-                                                               workers):
+        for meta, (statuses, ids, offsets, size, eods, first) in _tokenized(
+                _tasks(corpus.pieces()), codec, workers):
             kept = 0
             for piece, status in zip(meta, statuses):
                 if status.startswith(INVALID):
@@ -622,12 +634,29 @@ def _tokenize_into(corpus: _Corpus, codec: Codec, sink: _Splitter, workers: int,
                     piece.file.counts.count(status)
                 if status != "documents":
                     continue
+                if kept == first and not allow_eod_in_text:
+                    raise _eod_in_text(codec, piece, eods)
                 sink.add(ids[offsets[kept]:offsets[kept + 1]], piece.starts_document)
                 kept += 1
+            inside += eods
             tokens += sink.commit()
             bar.update(size)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.3g}", refresh=False)
     sink.finish()
+    return inside
+
+
+def _eod_in_text(codec: Codec, piece: Piece, count: int) -> DataError:
+    """The refusal of an end-of-document token that occurs inside a document."""
+    where = "the built-in corpus" if piece.file is None else str(piece.file.path) + (
+        f":{piece.line}" if piece.line else "")
+    token = getattr(codec, "eod_token", str(codec.eod_id))
+    return DataError(
+        f"the end-of-document token {token!r} (id {codec.eod_id}) occurs inside the documents' "
+        f"text (first in {where}; {count:,} times in the ~{TASK_CHARS / 1e6:.1f} MB read with "
+        "it): it would end a document wherever it occurs "
+        "(--document-masking too); name the tokenizer's own end-of-document special token "
+        "with --eod-token, or keep going with --allow-eod-in-text (the manifest records it)")
 
 
 def _umask() -> int:

@@ -65,7 +65,8 @@ class RecordCounts:
 class Piece:
     """Text of one document or of a part of it (long text files are read in parts), or
     with ``json_field`` set, one undecoded JSON line (``file`` line ``line``) whose
-    :func:`resolve` status the consumer counts in ``file.counts``."""
+    :func:`resolve` status the consumer counts in ``file.counts``. ``file``: the input it
+    came from (None: the built-in corpus); ``line``: its JSON line or Parquet row."""
 
     text: str
     starts_document: bool
@@ -271,10 +272,10 @@ def _text_pieces(file: InputFile) -> Iterator[Piece]:
                     held.append(text)
                     continue
                 for blank in held:
-                    yield Piece(blank, not started)
+                    yield Piece(blank, not started, file=file)
                     started = True
                 held = []
-                yield Piece(text, not started)
+                yield Piece(text, not started, file=file)
                 started = True
     except OSError as exc:
         raise DataError(f"input {file.path} cannot be read: {exc}") from None
@@ -372,7 +373,7 @@ def _parquet_pieces(file: InputFile, text_field: str) -> Iterator[Piece]:
                     counts.empty += 1
                 else:
                     counts.documents += 1
-                    yield Piece(value, True)
+                    yield Piece(value, True, file=file, line=row)
     except DataError:
         raise
     except Exception as exc:

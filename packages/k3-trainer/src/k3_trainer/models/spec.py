@@ -75,7 +75,9 @@ class HubFormat:
     """The ``config.json`` ``model_type`` values this format reads."""
     save: Callable[..., Path]
     """``save(model, out, *, dtype, bos_token_id, eos_token_id, extra_files, overwrite)``
-    writes the folder atomically and returns it."""
+    writes the folder atomically and returns it; an export of a run trained with documents
+    apart also passes ``config_fields={"document_masking": True}`` (added to
+    ``config.json``)."""
     load: Callable[[Path, torch.dtype], nn.Module]
     """The folder's model with its weights, in ``dtype``."""
     config: Callable[..., Any]

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError
+
 Record = dict[str, Any]
 
 
@@ -18,14 +20,32 @@ def event_record(event: str, **fields: Any) -> Record:
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """Every event of a ``metrics.jsonl``, in order (a torn last line is ignored)."""
-    events = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    """Every event of a ``metrics.jsonl``, in order. A torn last line (a killed session's
+    write, cut before its newline) is ignored; any other line that is not a JSON object is
+    a ``ConfigError`` naming the file and the line."""
+    return [record for _, record in _lines(Path(path))]
+
+
+def _lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, event)`` for every complete line of the event log ``path`` (see
+    :func:`read_events`)."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    torn = bool(text) and not text.endswith("\n")
+    found = []
+    for number, line in enumerate(lines, 1):
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if torn and number == len(lines):
+                break  # cut short by a crash: never a complete event
+            raise ConfigError(f"{path}:{number} is not a JSON event ({exc.msg}): the event "
+                              "log is damaged there; repair or remove that line") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}:{number} is not a JSON object: the event log is "
+                              "damaged there; repair or remove that line")
+        found.append((line, record))
+    return found
 
 
 def _finite(fields: dict[str, Any]) -> dict[str, Any]:
@@ -41,12 +61,8 @@ def mark_superseded(path: str | Path, after_step: int) -> int:
     if not path.is_file():
         return 0
     lines, marked = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line: the killed session's, never complete
-        step = record.get("step") if isinstance(record, dict) else None
+    for line, record in _lines(path):  # a torn last line is left out: never complete
+        step = record.get("step")
         if isinstance(step, int) and step > after_step and not record.get("superseded"):
             record["superseded"] = True
             line, marked = json.dumps(record), marked + 1

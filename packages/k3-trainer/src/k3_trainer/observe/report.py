@@ -5,7 +5,8 @@ environment has it). Events from every session are combined, except those a resu
 marked superseded (work after the checkpoint it resumed from, redone or, on a branch,
 abandoned); of a step logged twice anyway, the later record wins.
 
-A mixture's validation plots draw each source beside the mixture (``val_by_source``), and
+A mixture's loss plot draws each source's training loss (``loss_by_source``) and its
+validation plots each source's validation (``val_by_source``) beside the mixture, and
 every plot marks where each phase started (the ``phase_start`` events): a phase that
 changes the weights moves the mixture's line even where no source changed.
 """
@@ -37,12 +38,13 @@ def _prefixed(rows: list[dict[str, Any]], prefix: str) -> list[str]:
     return sorted({k for row in rows for k in row if k.startswith(prefix)})
 
 
-def _sources(evals: list[dict[str, Any]]) -> list[str]:
-    """The sources of a mixture's evaluations, in the order they first appear; none for a
-    run on one dataset (or a mixture of one, whose line is the mixture's)."""
+def _sources(events: list[dict[str, Any]], field: str = "val_by_source") -> list[str]:
+    """The sources of a mixture's evaluations (``field``: ``val_by_source``) or training
+    windows (``loss_by_source``), in the order they first appear; none for a run on one
+    dataset (or a mixture of one, whose line is the mixture's)."""
     names: dict[str, None] = {}
-    for event in evals:
-        by_source = event.get("val_by_source")
+    for event in events:
+        by_source = event.get(field)
         if isinstance(by_source, dict):
             names.update(dict.fromkeys(by_source))
     return list(names) if len(names) > 1 else []
@@ -56,6 +58,11 @@ def _by_source(evals: list[dict[str, Any]], source: str, key: str) -> list[Any]:
         part = (event.get("val_by_source") or {}).get(source)
         values.append(part.get(key) if isinstance(part, dict) else None)
     return values
+
+
+def _train_by_source(train: list[dict[str, Any]], source: str) -> list[Any]:
+    """One source's training loss in every log window (None where it had no rows)."""
+    return [(event.get("loss_by_source") or {}).get(source) for event in train]
 
 
 def _phases(events: list[dict[str, Any]]) -> list[tuple[str, int]]:
@@ -132,13 +139,18 @@ def write_report(run_dir: str | Path) -> Path:
     to_tokens = _tokens_of_steps(steps, tokens)
     phases = _phases(events)
     sources = _sources(evals)
+    trained = _sources(train, "loss_by_source")
+    named = sources + [source for source in trained if source not in sources]
     # One colour per line across the plots: the mixture's validation C1, the sources C2 on.
     styles: dict[str, dict[str, Any]] = {"validation": {"color": "C1"}}
     styles.update({f"validation: {source}": {"color": f"C{2 + i % 8}", "linewidth": 1,
                                              "linestyle": "--"}
-                   for i, source in enumerate(sources)})
+                   for i, source in enumerate(named)})
     styles.update({source: {"color": f"C{2 + i % 8}", "linewidth": 1.2}
-                   for i, source in enumerate(sources)})
+                   for i, source in enumerate(named)})
+    styles.update({f"train: {source}": {"color": f"C{2 + i % 8}", "linewidth": 1,
+                                        "linestyle": ":"}
+                   for i, source in enumerate(named)})
     if sources:
         styles["mixture (by weight)"] = {"color": "C1", "linewidth": 2}
 
@@ -193,12 +205,14 @@ def write_report(run_dir: str | Path) -> Path:
     images = [
         (plot("loss", "Loss", "mean token loss (nats)",
               [("train", steps, [e.get("loss") for e in train]),
+               *((f"train: {source}", steps, _train_by_source(train, source))
+                 for source in trained),
                ("validation", eval_steps, [e.get("val_loss") for e in evals]),
                *((f"validation: {source}", eval_steps, _by_source(evals, source, "val_loss"))
                  for source in sources)],
               tokens_axis=True),
          "Training loss (the mean of each log window) and validation loss, in nats per "
-         f"token{' (the mixture and each source)' if sources else ''}.{mixture}{marked}"),
+         f"token{' (the mixture and each source)' if named else ''}.{mixture}{marked}"),
         (plot("val_bpb", "Validation bits per byte (comparable across tokenizers)",
               "bits per UTF-8 byte",
               [("mixture (by weight)" if sources else "validation", eval_steps,

@@ -19,13 +19,14 @@ from .messages import Say
 from .opened import Opened, Restored, open_model, pretrained, restore
 from .plan import Plan, resolve
 from .request import TrainRequest
-from .run_dir import RunError, checkpoint_at, read_record
+from .run_dir import RunError, RunState, checkpoint_at, read_record, run_state
 
 __all__ = [
     "Opened",
     "Plan",
     "Restored",
     "RunError",
+    "RunState",
     "Say",
     "TrainRequest",
     "build_trainer",
@@ -38,6 +39,7 @@ __all__ = [
     "read_record",
     "resolve",
     "restore",
+    "run_state",
     "seed_everything",
     "train",
 ]

@@ -15,7 +15,7 @@ from ..checkpoint import READ_ONLY, Checkpointer, run_metadata
 from ..config import ConfigError, TrainConfig
 from ..contract import check_model
 from ..data import BatchLoader, Codec, Source, load_codec, read_manifest
-from ..hub import check_tokenizer, folder_codec, load_folder
+from ..hub import check_tokenizer, folder_codec, load_folder, trained_with_document_masking
 from ..models import ModelSpec, get_model_spec
 from ..state import TrainState
 from .build import build_model, loaders, max_seq_len_of, seed_everything
@@ -95,6 +95,8 @@ class Opened:
     codec: Codec
     where: str
     max_seq_len: int | None
+    step: int | None = None
+    """The checkpoint's step (a run's; None: a hub folder)."""
 
 
 def open_model(
@@ -122,7 +124,8 @@ def open_model(
     checkpoint_at(run_dir, step)  # before run.json: the likelier miss
     restored = restore(run_dir, data, device, step)
     return Opened(
-        restored.model, restored.codec(), f"step {restored.state.step}", restored.max_seq_len
+        restored.model, restored.codec(), f"step {restored.state.step}", restored.max_seq_len,
+        restored.state.step,
     )
 
 
@@ -136,7 +139,8 @@ def pretrained(
 ) -> Restored:
     """A hub folder's model with the validation data it is evaluated on (``--data``, or a
     mixture of ``sources``, prepared with the folder's tokenizer), read with the default
-    recipe's batch shape and validation budget."""
+    recipe's batch shape and validation budget, and with documents kept apart when the
+    folder says its model was trained so."""
     if sources:
         data = sources[0].path
     if data is None:
@@ -149,7 +153,10 @@ def pretrained(
     model_config = getattr(model, "config", None)
     longest = getattr(model_config, "max_seq_len", None)
     seq_len = TrainConfig().seq_len
-    config = TrainConfig(seq_len=min(seq_len, longest) if isinstance(longest, int) else seq_len)
+    config = TrainConfig(
+        seq_len=min(seq_len, longest) if isinstance(longest, int) else seq_len,
+        document_masking=trained_with_document_masking(folder),
+    )
     data_loaders = loaders(config, model_config, data, None, sources)
     note = check_tokenizer(folder, load_codec(data, read_manifest(data)), data, flag)
     if note is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..callbacks import Callback, LogLines, ProfilerWindow, ProgressBar, Report, TensorBoard
-from ..checkpoint import CHECKPOINT, HISTORY, TRAINER_POLICY, find_checkpoint
+from ..checkpoint import TRAINER_POLICY
 from ..config import ConfigError, TrainConfig
 from ..data import read_manifest
 from ..data.loader import MANIFEST_FORMAT, manifest_digest
@@ -26,19 +26,11 @@ from ..data.mixture import Source
 from ..data.prepare import prepare_dataset
 from ..models import DEFAULT_MODEL, HubFolderError, ModelSpec, get_model_spec
 from ..observe.report import REPORT_DIR
-from ..record import METRICS, RUN_RECORD, RunRecord
+from ..record import RUN_RECORD, RunRecord
 from .config_file import check_toml_fields, data_of, read_toml
 from .messages import Say, to_stderr
 from .request import TrainRequest
-from .run_dir import (
-    RunError,
-    branch_point,
-    has_run,
-    read_record,
-    recorded_checkpoint_step,
-    recorded_sources,
-    restart_record,
-)
+from .run_dir import recorded_sources, run_state
 
 VOCAB_MULTIPLE = 128
 
@@ -126,48 +118,10 @@ def resolve(request: TrainRequest, notes: tuple[str, ...] = (), say: Say = to_st
     wait is said now, through ``say``)."""
     run_dir, toml = request.run_dir, read_toml(request.config)
     preset = request.preset or toml.get("preset")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--run-dir {run_dir} is a file, not a directory")
-    record: RunRecord | None = None
-    found = find_checkpoint(run_dir)
-    resume = request.resume or request.resume_from is not None
-    branch = False
-    if request.resume_from is not None:
-        branch = branch_point(run_dir, request.resume_from) != found
-        found = request.resume_from
-    if resume and found is None:
-        saved_at = recorded_checkpoint_step(run_dir)
-        if saved_at is not None:  # moved or deleted: starting over would lose the run
-            raise RunError(
-                f"{run_dir / METRICS} records a checkpoint saved at step "
-                f"{saved_at}, but {run_dir} holds none ({HISTORY}/, or "
-                f"{CHECKPOINT} from an earlier version): put it back, or choose "
-                "another --run-dir"
-            )
-        # Nothing written yet, or killed before its first checkpoint: nothing to lose, so a
-        # supervisor that restarts with --resume until success gets a run, not a loop.
-        if has_run(run_dir):
-            record = restart_record(run_dir)
-            say(
-                f"{run_dir} stopped before its first checkpoint; nothing to resume, so "
-                "the run starts from scratch"
-            )
-        else:
-            say(f"{run_dir} holds no run yet; nothing to resume, so the run starts")
-        resume = False
-    elif resume:
-        record = read_record(run_dir)
-    elif has_run(run_dir):
-        if found is None:
-            raise RunError(
-                f"{run_dir} already holds a run that stopped before its first "
-                "checkpoint; pass --resume to start it again from scratch, or "
-                "choose another --run-dir"
-            )
-        raise RunError(
-            f"{run_dir} already holds a run; pass --resume to continue it or "
-            "choose another --run-dir"
-        )
+    state = run_state(
+        run_dir, resume=request.resume, resume_from=request.resume_from, say=say
+    )
+    record, resume = state.record, state.resume
     if request.phase is not None and not resume:
         raise ConfigError(
             f"--phase {request.phase} needs --resume: a phase continues a run from its checkpoint"
@@ -239,9 +193,9 @@ def resolve(request: TrainRequest, notes: tuple[str, ...] = (), say: Say = to_st
         config,
         model_config,
         data_dir,
-        found if resume else None,
+        state.checkpoint,
         horizon_unset,
-        branch=branch,
+        branch=state.branch,
         preset=preset,
         recorded_data=recorded_data,
         notes=(*notes, *said),

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import (
@@ -21,6 +23,72 @@ from ..record import METRICS, RUN_RECORD, RecordError, RunRecord
 
 class RunError(Exception):
     """The run directory is not in the state the command needs."""
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a session finds in its run directory, and so what it does with it."""
+
+    record: RunRecord | None
+    """The run's record: read to continue it, or kept to start it again (None: no run)."""
+    checkpoint: Path | None
+    """The checkpoint this session resumes from (None: the run starts)."""
+    branch: bool = False
+    """``--resume-from`` an older checkpoint than the latest: a new branch of the run."""
+
+    @property
+    def resume(self) -> bool:
+        return self.checkpoint is not None
+
+
+def run_state(
+    run_dir: Path,
+    *,
+    resume: bool,
+    resume_from: Path | None = None,
+    say: Callable[[str], object] = print,
+) -> RunState:
+    """The session's starting point in ``run_dir``: a fresh run, a resume (of the latest
+    checkpoint, or of ``resume_from``: a branch when it is older), or a restart of a run
+    killed before its first checkpoint; a ``RunError`` when the directory is in a state the
+    request cannot use (a run there and no ``--resume``; a checkpoint on record but gone)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--run-dir {run_dir} is a file, not a directory")
+    found = find_checkpoint(run_dir)
+    resume = resume or resume_from is not None
+    branch = False
+    if resume_from is not None:
+        branch = branch_point(run_dir, resume_from) != found
+        found = resume_from
+    if resume and found is None:
+        saved_at = recorded_checkpoint_step(run_dir)
+        if saved_at is not None:  # moved or deleted: starting over would lose the run
+            raise RunError(
+                f"{run_dir / METRICS} records a checkpoint saved at step {saved_at}, but "
+                f"{run_dir} holds none ({HISTORY}/, or {CHECKPOINT} from an earlier "
+                "version): put it back, or choose another --run-dir"
+            )
+        # Nothing written yet, or killed before its first checkpoint: nothing to lose, so a
+        # supervisor that restarts with --resume until success gets a run, not a loop.
+        if has_run(run_dir):
+            say(f"{run_dir} stopped before its first checkpoint; nothing to resume, so the "
+                "run starts from scratch")
+            return RunState(restart_record(run_dir), None)
+        say(f"{run_dir} holds no run yet; nothing to resume, so the run starts")
+        return RunState(None, None)
+    if resume:
+        return RunState(read_record(run_dir), found, branch)
+    if has_run(run_dir):
+        if found is None:
+            raise RunError(
+                f"{run_dir} already holds a run that stopped before its first checkpoint; "
+                "pass --resume to start it again from scratch, or choose another --run-dir"
+            )
+        raise RunError(
+            f"{run_dir} already holds a run; pass --resume to continue it or choose "
+            "another --run-dir"
+        )
+    return RunState(None, None)
 
 
 def read_record(run_dir: Path) -> RunRecord:

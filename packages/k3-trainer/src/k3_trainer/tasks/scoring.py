@@ -14,7 +14,9 @@ Metrics (per task, over its documents):
 - ``acc_norm``: the same with each log-likelihood divided by its continuation's length in
   characters (lm-eval's ``acc_norm``, OLMo's ``acc_per_char``).
 - ``bpb``: bits per UTF-8 byte of the gold continuations, ``Σ −log p(gold) / (ln 2 ·
-  Σ bytes)`` over the documents (like ``val_bpb``, every byte weighs the same).
+  Σ bytes)`` over the documents (like ``val_bpb``, every byte weighs the same), the bytes
+  being those of the tokens scored (a context's trailing space moved into the
+  continuation counts with it, as it is scored with it).
 - ``centered_acc``: ``(acc − b) / (1 − b)`` with ``b`` the chance accuracy (the mean of
   ``1/k`` over documents of k choices): 0 at chance, 1 when perfect (nanochat's centering).
 
@@ -49,7 +51,7 @@ class Scored:
     gold: int
     logliks: tuple[float, ...]
     lengths: tuple[int, ...]  # each continuation's characters
-    gold_bytes: int
+    gold_bytes: int  # UTF-8 bytes of the gold continuation's scored tokens
     dropped: int  # context tokens left out to fit the window (the most of any choice)
 
     @property
@@ -108,22 +110,47 @@ def encode_choice(codec: Codec, context: str, continuation: str, bos: int | None
     return ([bos] if bos is not None else []) + head, tail
 
 
+def check_vocabulary(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], vocab_size: int,
+                     what: str) -> None:
+    """Refuse, naming ``what``, a (context, continuation) whose token ids the model's
+    vocabulary cannot hold: the tokenizer and the model disagree."""
+    for context, continuation in pairs:
+        bad = next((t for t in (*context, *continuation) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise TaskError(f"{what}: the model's vocabulary ({vocab_size} tokens) cannot "
+                            f"encode token id {bad}; the tokenizer and the model disagree")
+
+
+def fit_window(context: Sequence[int], after: int, max_len: int) -> list[int]:
+    """The last tokens of ``context`` that fit the model's window ``max_len`` with
+    ``after`` more tokens read after them (at least one is kept), as lm-eval truncates on
+    the left: a scored continuation less its last token (predicted, never read), or the
+    new tokens a generation reads."""
+    keep = min(len(context), max(max_len - after, 1))
+    return list(context[len(context) - keep:])
+
+
+@dataclass(frozen=True)
+class EncodedDocument:
+    """A document's choices as token ids (:func:`encode_choice`) and the UTF-8 bytes of
+    its gold continuation's tokens, the bytes its ``bpb`` scores."""
+
+    pairs: list[tuple[list[int], list[int]]]
+    gold_bytes: int
+
+
 def encode_documents(codec: Codec, task: Task, documents: Sequence[Document], *,
-                     vocab_size: int, bos: int | None
-                     ) -> list[list[tuple[list[int], list[int]]]]:
+                     vocab_size: int, bos: int | None) -> list[EncodedDocument]:
     """Each document's choices encoded (:func:`encode_choice`); refuses a document the
     model's vocabulary cannot hold."""
+    table = codec.token_byte_lengths()
     encoded = []
     for doc in documents:
         pairs = [encode_choice(codec, c, k, bos) for c, k in zip(doc.contexts,
                                                                     doc.continuations)]
-        for context, continuation in pairs:
-            bad = [t for t in (*context, *continuation) if not 0 <= t < vocab_size]
-            if bad:
-                raise TaskError(f"task {task.name}: the model's vocabulary ({vocab_size} "
-                                f"tokens) cannot encode document {doc.id!r} (token id "
-                                f"{bad[0]}); the tokenizer and the model disagree")
-        encoded.append(pairs)
+        check_vocabulary(pairs, vocab_size, f"task {task.name}: document {doc.id!r}")
+        gold = pairs[doc.gold][1]
+        encoded.append(EncodedDocument(pairs, int(sum(int(table[t]) for t in gold))))
     return encoded
 
 
@@ -138,19 +165,18 @@ def score_documents(model: nn.Module, codec: Codec, task: Task, documents: Seque
 
 
 def score_encoded(model: nn.Module, documents: Sequence[Document],
-                  encoded: Sequence[list[tuple[list[int], list[int]]]], *, max_len: int,
+                  encoded: Sequence[EncodedDocument], *, max_len: int,
                   batch_size: int = 16) -> tuple[list[Scored], int]:
     """:func:`score_documents` of documents already encoded (:func:`encode_documents`)."""
-    fits = [all(len(k) <= max_len for _, k in pairs) for pairs in encoded]
-    kept = [(d, pairs) for d, pairs, ok in zip(documents, encoded, fits) if ok]
-    scored = iter(score_pairs(model, [p for _, pairs in kept for p in pairs], max_len=max_len,
+    fits = [all(len(k) <= max_len for _, k in e.pairs) for e in encoded]
+    kept = [(d, e) for d, e, ok in zip(documents, encoded, fits) if ok]
+    scored = iter(score_pairs(model, [p for _, e in kept for p in e.pairs], max_len=max_len,
                               batch_size=batch_size))
     out = []
-    for doc, pairs in kept:
-        choices = [next(scored) for _ in pairs]
+    for doc, e in kept:
+        choices = [next(scored) for _ in e.pairs]
         out.append(Scored(doc.id, doc.gold, tuple(c.loglik for c in choices),
-                          tuple(len(k) for k in doc.continuations),
-                          len(doc.continuations[doc.gold].encode("utf-8")),
+                          tuple(len(k) for k in doc.continuations), e.gold_bytes,
                           max(c.dropped for c in choices)))
     return out, len(documents) - len(kept)
 
@@ -186,10 +212,9 @@ def score_pairs(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], 
     where: list[tuple[int, int]] = []
     dropped: list[int] = []
     index: dict[tuple[int, ...], int] = {}
-    for context, continuation in pairs:
-        keep = min(len(context), max(max_len - (len(continuation) - 1), 1))
-        dropped.append(len(context) - keep)
-        context = context[len(context) - keep:]
+    for whole, continuation in pairs:
+        context = fit_window(whole, len(continuation) - 1, max_len)
+        dropped.append(len(whole) - len(context))
         at = index.setdefault(tuple(context), len(requests))
         if at == len(requests):
             requests.append(_Request(list(context), []))
