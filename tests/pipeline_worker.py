@@ -45,13 +45,17 @@ def main() -> None:
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--reference", action="store_true")
     args = parser.parse_args()
     pipeline_degree = 1 if args.reference else 2
-    config = TrainConfig(batch_size=BATCH, seq_len=SEQ, peak_lr=0.02, max_steps=args.steps,
+    config = TrainConfig(batch_size=BATCH, seq_len=SEQ, peak_lr=args.lr, max_steps=args.steps,
                          pipeline_parallel=pipeline_degree, pp_schedule=args.schedule,
                          pp_microbatches=None if args.reference else args.microbatches,
                          pp_stages_per_rank=1 if args.reference else args.stages_per_rank)
+    # One thread, as torchrun gives each rank: a matmul's blocking (hence its rounding)
+    # depends on the thread count.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = K3Model(MODEL)
     model.train()
@@ -66,6 +70,7 @@ def main() -> None:
         pipeline.start()
     optimizer = build_optimizer(model, config)
     m, losses, norms = args.microbatches, [], []
+    first: dict[str, torch.Tensor] | None = None
     for x, y in batches(args.steps):
         ids = document_ids(x, BOUNDARY)
         if pipeline is not None:
@@ -79,13 +84,17 @@ def main() -> None:
                 (loss / m).backward()
                 total += float(loss.detach()) / m
             losses.append(total)
-        norms.append(float(clip_grad_norm(list(model.parameters()), MAX_NORM, parallel)))
+        norms.append(float(clip_grad_norm(list(model.parameters()), MAX_NORM, parallel,
+                                          None if pipeline is None else pipeline.slots)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if first is None:
+            first = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     rank = 0 if parallel is None else parallel.rank
     args.out.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    torch.save({"losses": losses, "norms": norms, "state": state}, args.out / f"rank{rank}.pt")
+    torch.save({"losses": losses, "norms": norms, "state": state, "first": first},
+               args.out / f"rank{rank}.pt")
     shutdown(parallel)
 
 

@@ -120,19 +120,24 @@ class StageForward(nn.Module):
                    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Meta tensors shaped like one microbatch's stage inputs and outputs, so that
         ``PipelineStage`` needs no shape-inference forward (which would update the MoE
-        balancers once more than one process does)."""
+        balancers once more than one process does). The floating tensors that cross a
+        boundary require grad: ``PipelineStage`` reads its static metadata's
+        ``requires_grad`` to decide whether a received activation gets a gradient and
+        whether one is sent back, so without it every earlier stage's gradient is lost."""
         d = self.config.d_model
         size = self.config.attn_res_block_size
         indices = [int(layer.index) for layer in self.blocks]  # type: ignore[arg-type]
 
         def crossing(stop: int) -> tuple[Tensor, ...]:
             committed = -(-stop // size) if size else 0  # blocks begun before layer ``stop``
-            return tuple(torch.empty(rows, seq_len, d, dtype=dtype, device="meta")
+            return tuple(torch.empty(rows, seq_len, d, dtype=dtype, device="meta",
+                                     requires_grad=True)
                          for _ in range(1 + committed))
 
         inputs = ((torch.empty(rows, seq_len, dtype=torch.int64, device="meta"),)
                   if self.first else crossing(indices[0]))
-        outputs = ((torch.empty(rows, seq_len, d, dtype=dtype, device="meta"),)
+        outputs = ((torch.empty(rows, seq_len, d, dtype=dtype, device="meta",
+                                requires_grad=True),)
                    if self.last else crossing(indices[-1] + 1))
         return inputs, outputs
 

@@ -298,13 +298,17 @@ class Parallel:
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
-                   parallel: Parallel | None = None) -> Tensor:
+                   parallel: Parallel | None = None,
+                   slots: tuple[list[int], int] | None = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (FSDP2's
     and expert parallelism's), whose DTensor gradients cannot meet in one foreach call:
     each mesh's norm is reduced over its own ranks, the total clips every group. One mesh
     or none: torch's function itself (the norm is made whole, a plain tensor). Under
-    pipeline stages (``parallel.pipeline > 1``) the squared norms of every stage's
-    parameters are summed too: every stage clips by the norm of the whole model."""
+    pipeline stages (``parallel.pipeline > 1``) every stage clips by the norm of the whole
+    model: ``slots`` (each parameter's index in the whole model, and their count; from
+    :attr:`~k3_trainer.pipeline.Pipeline.slots`) lays every stage's per-parameter norms
+    out in the whole model's order, so that with unsharded stages the norm is bitwise
+    the one process's; otherwise (or sharded stages) the stages' squares are summed."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     meshes: dict[int, list[nn.Parameter]] = {}
@@ -315,6 +319,12 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
     if len(meshes) <= 1 and not staged:
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    plain = not any(hasattr(p.grad, "full_tensor") for p in parameters)
+    if staged and slots is not None and len(meshes) <= 1 and plain:
+        assert parallel is not None
+        whole = _slotted_norm(parameters, slots, parallel)
+        clip_grads_with_norm_(parameters, max_norm, whole)
+        return whole
     norms = []
     for group in meshes.values():
         part = get_total_norm([p.grad for p in group if p.grad is not None])
@@ -327,6 +337,24 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
     for group in meshes.values():
         clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _slotted_norm(parameters: list[nn.Parameter], slots: tuple[list[int], int],
+                  parallel: Parallel) -> Tensor:
+    """The whole model's gradient norm from this stage's plain gradients: each
+    parameter's norm in its whole-model slot (zeros elsewhere, exact under a sum), the
+    vector summed over the stages, then normed as ``get_total_norm`` norms its stack."""
+    from torch.nn.utils import get_total_norm
+
+    positions, count = slots
+    grads = [(position, p.grad) for position, p in zip(positions, parameters, strict=True)
+             if p.grad is not None]
+    vector = torch.zeros(count, dtype=grads[0][1].dtype if grads else torch.float32,
+                         device=parallel.device)
+    for position, grad in grads:
+        vector[position] = get_total_norm([grad])
+    whole: Tensor = torch.linalg.vector_norm(parallel.pipeline_sum_(vector))
+    return whole
 
 
 def init_parallel(mode: str, device: torch.device, pipeline: int = 1

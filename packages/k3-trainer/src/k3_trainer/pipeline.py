@@ -104,11 +104,16 @@ class Pipeline:
         ranges = stage_ranges(hooks.n_layers(model), total)
         self.indices = [s for s in range(total) if s % pp == parallel.pipeline_rank]
         held = [index for s in self.indices for index in ranges[s]]
+        order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         hooks.keep(model, held, first=0 in self.indices, last=total - 1 in self.indices)
         self.modules = [hooks.stage(model, ranges[s], first=s == 0, last=s == total - 1)
                         for s in self.indices]
         """Each stage's forward module, in stage order (what FSDP2 shards as a root)."""
         self.has_last = total - 1 in self.indices
+        self.slots = ([order[name] for name, _ in model.named_parameters()], len(order))
+        """Each kept parameter's index among the whole model's (``model.parameters()``
+        order) and their count: :func:`~k3_trainer.distributed.clip_grad_norm` lays the
+        stages' norms out as one process would."""
         self._scale = 1.0
         self._scale_loss: Callable[[Tensor], Tensor] = _same
         self._values: list[Tensor] = []
@@ -125,9 +130,7 @@ class Pipeline:
             inputs, outputs = module.example_io(rows, config.seq_len)  # type: ignore[operator]
             stages.append(pipelining.PipelineStage(
                 module, s, self.total, parallel.device, group=parallel.pipeline_group,
-                input_args=inputs, output_args=outputs,
-                input_grads=None if s == 0 else inputs,
-                output_grads=None if s == self.total - 1 else outputs))
+                input_args=inputs, output_args=outputs))
         last_module = self.modules[-1]
 
         def loss_fn(output: Tensor, targets: Tensor) -> Tensor:

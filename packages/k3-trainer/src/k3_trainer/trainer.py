@@ -386,7 +386,8 @@ class Trainer:
                 self.parallel.sync_found_inf(scaler, self.optimizer)
             # FSDP2 and expert parallelism: the norm of every rank's shards, whole.
             norm = clip_grad_norm(list(self.model.parameters()),
-                                  config.max_grad_norm or float("inf"), self.parallel)
+                                  config.max_grad_norm or float("inf"), self.parallel,
+                                  None if self.pipeline is None else self.pipeline.slots)
             # The update's one host read: pre-clip norm, QK observations' finiteness and
             # the scaler's found-inf, together (see _host_values).
             grad_norm, qk_nonfinite, overflow = _host_values(
