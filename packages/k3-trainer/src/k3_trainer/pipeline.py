@@ -17,6 +17,7 @@ a second time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ from torch import Tensor, nn
 from .config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
+    from k3_qkclip import QKClipPolicy
+
     from .distributed import Parallel
     from .models import PipelineHooks
 
@@ -105,6 +108,9 @@ class Pipeline:
         self.indices = [s for s in range(total) if s % pp == parallel.pipeline_rank]
         held = [index for s in self.indices for index in ranges[s]]
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        self.qk_geometry = _whole_geometry(model, config)
+        """The whole model's QK-Clip geometry (None: QK-Clip refuses the model), which the
+        run's metadata records whatever the cut, so a checkpoint is portable."""
         hooks.keep(model, held, first=0 in self.indices, last=total - 1 in self.indices)
         self.modules = [hooks.stage(model, ranges[s], first=s == 0, last=s == total - 1)
                         for s in self.indices]
@@ -168,6 +174,30 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros((), device=self.parallel.device)
         return torch.stack(self._values).sum()
+
+
+def _whole_geometry(model: nn.Module, config: TrainConfig) -> dict[str, Any] | None:
+    from k3_qkclip import QKClip
+
+    from .checkpoint.compatibility import qk_clip_policy
+
+    try:
+        geometry: dict[str, Any] = QKClip(model, qk_clip_policy(config)).geometry()
+    except ValueError:
+        return None
+    return geometry
+
+
+def stage_qk_policy(model: nn.Module, policy: QKClipPolicy) -> QKClipPolicy:
+    """QK-Clip's policy for one stage's cut model: the run's, or off on a stage that holds
+    no MLA layer (nothing to observe or rescale there; the stages holding one clip)."""
+    from k3_qkclip import QKClip
+
+    try:
+        QKClip(model, policy)
+    except ValueError:
+        return dataclasses.replace(policy, enabled=False)
+    return policy
 
 
 def _same(loss: Tensor) -> Tensor:

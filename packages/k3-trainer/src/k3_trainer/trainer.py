@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from k3_qkclip import QKClip
+from k3_qkclip import QKClip, QKClipPolicy
 
 from .callbacks import Callback, Callbacks
 from .checkpoint import (
@@ -48,7 +48,7 @@ from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
 from .observe.sources import SourceLosses
-from .pipeline import Pipeline, PipelineEvaluation
+from .pipeline import Pipeline, PipelineEvaluation, stage_qk_policy
 from .precision import (
     autocast,
     make_grad_scaler,
@@ -163,7 +163,9 @@ class Trainer:
         self._stop_signal: int | None = None
         self._agreed_stop = 0  # the largest signal any rank had, as of the last loss reduce
         self.checkpointer = Checkpointer(self.states(),
-                                         run_metadata(self.contract, config, parallel),
+                                         run_metadata(self.contract, config, parallel,
+                                                      None if pipeline is None
+                                                      else pipeline.qk_geometry),
                                          TRAINER_POLICY, parallel)
         self.saves = Saves(self.checkpointer, self.store, parallel,
                            background=config.async_checkpoint, event=self._event,
@@ -259,7 +261,7 @@ class Trainer:
         qk_reduce = self.parallel.data_max_ if self.parallel is not None else None
         compile_clock = CompileClock()
         with self.profiler, self.moe, compile_clock, \
-                QKClip(self.model, qk_clip_policy(config), reduce_max=qk_reduce) as qk_clip:
+                QKClip(self.model, self._qk_policy(), reduce_max=qk_reduce) as qk_clip:
             self._event("session_start", step=self.state.step,
                         tokens_seen=self.state.tokens_seen, max_steps=config.max_steps,
                         precision=config.precision, device=str(self.device),
@@ -419,6 +421,10 @@ class Trainer:
         profiler.attempt_done()
         self.callbacks.attempt_end(self, step)
         return _Attempt(step, lr, loss_sum, tokens, grad_norm, overflow)
+
+    def _qk_policy(self) -> QKClipPolicy:
+        policy = qk_clip_policy(self.config)
+        return policy if self.pipeline is None else stage_qk_policy(self.model, policy)
 
     def _pipeline_microbatches(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
         """One batch through the pipeline schedule, forward and backward; returns its

@@ -90,16 +90,19 @@ def qk_clip_policy(config: TrainConfig) -> QKClipPolicy:
 
 
 def run_metadata(contract: ModelContract, config: TrainConfig,
-                 parallel: Parallel | None = None) -> dict[str, Any]:
+                 parallel: Parallel | None = None,
+                 geometry: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a resume compares (under :data:`TRAINER_POLICY`) but does not restore. A
     data-parallel run adds its layout (``data_parallel``: mode, world size), so a
-    one-process checkpoint stays byte-for-byte what it was."""
+    one-process checkpoint stays byte-for-byte what it was. ``geometry``: the whole
+    model's QK-Clip geometry when ``contract.model`` is one pipeline stage's cut."""
     policy = qk_clip_policy(config)
     extra = {"data_parallel": parallel.describe()} if parallel is not None else {}
-    try:
-        geometry = QKClip(contract.model, policy).geometry()
-    except ValueError as error:  # QK-Clip on, and no attention declares its geometry
-        raise ConfigError(str(error)) from None
+    if geometry is None:
+        try:
+            geometry = QKClip(contract.model, policy).geometry()
+        except ValueError as error:  # QK-Clip on, and no attention declares its geometry
+            raise ConfigError(str(error)) from None
     return {
         **extra,
         "train_config": config.to_dict(),

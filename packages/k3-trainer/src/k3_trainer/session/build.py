@@ -157,6 +157,7 @@ def build_trainer(
         distributed = True if parallel.mode == "ddp" else None
     if pipeline is not None:
         pipeline.start()
-    optimizer = build_optimizer(model, config, distributed=distributed)
+    optimizer = build_optimizer(model, config, distributed=distributed,
+                                stage=pipeline is not None)
     return Trainer(model, optimizer, data, config, parallel=parallel, checkpoint_path=checkpoint,
                    pipeline=pipeline)
