@@ -10,6 +10,7 @@ Test code only; the package never imports it.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -38,6 +39,12 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain copy of ``tensor``, gathered whole when FSDP2 shards it over data ranks."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().clone()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -49,7 +56,8 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true")
     args = parser.parse_args()
     pipeline_degree = 1 if args.reference else 2
-    config = TrainConfig(batch_size=BATCH, seq_len=SEQ, peak_lr=args.lr, max_steps=args.steps,
+    data_ranks = 1 if args.reference else int(os.environ.get("WORLD_SIZE", "2")) // 2
+    config = TrainConfig(batch_size=BATCH // data_ranks, seq_len=SEQ, peak_lr=args.lr, max_steps=args.steps,
                          pipeline_parallel=pipeline_degree, pp_schedule=args.schedule,
                          pp_microbatches=None if args.reference else args.microbatches,
                          pp_stages_per_rank=1 if args.reference else args.stages_per_rank)
@@ -75,8 +83,10 @@ def main() -> None:
         ids = document_ids(x, BOUNDARY)
         if pipeline is not None:
             assert parallel is not None
-            local = pipeline.train(x, y, m, document_ids=ids)
-            losses.append(float(parallel.sum_(local.reshape(1))[0]))
+            rows = BATCH // parallel.data_parallel  # this data rank's rows of the batch
+            mine = slice(parallel.data_rank * rows, (parallel.data_rank + 1) * rows)
+            local = pipeline.train(x[mine], y[mine], m, document_ids=ids[mine])
+            losses.append(float(parallel.sum_(local.reshape(1))[0]) / parallel.data_parallel)
         else:
             total = 0.0
             for xs, ys, ds in zip(x.chunk(m), y.chunk(m), ids.chunk(m), strict=True):
@@ -89,12 +99,15 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if first is None:
-            first = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+            first = {name: _whole(tensor) for name, tensor in model.state_dict().items()}
     rank = 0 if parallel is None else parallel.rank
+    if parallel is not None and parallel.data_rank:  # data ranks hold the same stages
+        shutdown(parallel)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    state = {name: _whole(tensor) for name, tensor in model.state_dict().items()}
     torch.save({"losses": losses, "norms": norms, "state": state, "first": first},
-               args.out / f"rank{rank}.pt")
+               args.out / f"rank{0 if parallel is None else parallel.pipeline_rank}.pt")
     shutdown(parallel)
 
 
