@@ -57,7 +57,8 @@ def main() -> None:
     args = parser.parse_args()
     pipeline_degree = 1 if args.reference else 2
     data_ranks = 1 if args.reference else int(os.environ.get("WORLD_SIZE", "2")) // 2
-    config = TrainConfig(batch_size=BATCH // data_ranks, seq_len=SEQ, peak_lr=args.lr, max_steps=args.steps,
+    config = TrainConfig(batch_size=BATCH // data_ranks, seq_len=SEQ, peak_lr=args.lr,
+                         max_steps=args.steps,
                          pipeline_parallel=pipeline_degree, pp_schedule=args.schedule,
                          pp_microbatches=None if args.reference else args.microbatches,
                          pp_stages_per_rank=1 if args.reference else args.stages_per_rank)
@@ -100,7 +101,6 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if first is None:
             first = {name: _whole(tensor) for name, tensor in model.state_dict().items()}
-    rank = 0 if parallel is None else parallel.rank
     if parallel is not None and parallel.data_rank:  # data ranks hold the same stages
         shutdown(parallel)
         return
