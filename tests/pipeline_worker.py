@@ -45,6 +45,13 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else tensor).detach().clone()
 
 
+def _microbatches(batch: torch.Tensor, m: int, data_ranks: int) -> list[torch.Tensor]:
+    """One process's microbatches as ``data_ranks`` ranks compose them: microbatch k is
+    every data rank's k-th slice of its rows, in rank order (what the balancer gathers)."""
+    per_rank = [rows.chunk(m) for rows in batch.chunk(data_ranks)]
+    return [torch.cat([chunks[k] for chunks in per_rank]) for k in range(m)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -54,6 +61,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--data-ranks", type=int, default=1,
+                        help="reference: microbatches composed as D data ranks' would be")
     args = parser.parse_args()
     pipeline_degree = 1 if args.reference else 2
     data_ranks = 1 if args.reference else int(os.environ.get("WORLD_SIZE", "2")) // 2
@@ -75,6 +84,9 @@ def main() -> None:
         hooks = get_model_spec("k3").pipeline
         assert hooks is not None
         pipeline = Pipeline(model, hooks, parallel, config)
+        spec = get_model_spec("k3")
+        if spec.set_token_gather is not None:  # the balancer sees every data rank's rows
+            spec.set_token_gather(model, parallel.gather_rows)
         parallel.wrap(model, pipeline.modules)
         pipeline.start()
     optimizer = build_optimizer(model, config)
@@ -90,7 +102,8 @@ def main() -> None:
             losses.append(float(parallel.sum_(local.reshape(1))[0]) / parallel.data_parallel)
         else:
             total = 0.0
-            for xs, ys, ds in zip(x.chunk(m), y.chunk(m), ids.chunk(m), strict=True):
+            for xs, ys, ds in zip(*(_microbatches(t, m, args.data_ranks) for t in (x, y, ids)),
+                                  strict=True):
                 _, loss = model(xs, targets=ys, document_ids=ds)
                 (loss / m).backward()
                 total += float(loss.detach()) / m
@@ -101,11 +114,11 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if first is None:
             first = {name: _whole(tensor) for name, tensor in model.state_dict().items()}
+    state = {name: _whole(tensor) for name, tensor in model.state_dict().items()}
     if parallel is not None and parallel.data_rank:  # data ranks hold the same stages
         shutdown(parallel)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    state = {name: _whole(tensor) for name, tensor in model.state_dict().items()}
     torch.save({"losses": losses, "norms": norms, "state": state, "first": first},
                args.out / f"rank{0 if parallel is None else parallel.pipeline_rank}.pt")
     shutdown(parallel)

@@ -21,6 +21,13 @@ pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 STEPS = 4
 
 
+def _torchrun4(*args: object) -> None:
+    from test_distributed_training import TORCHRUN, _run
+
+    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", 4, *args], timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
 def _cli(data_dir: Path, config: Path, run_dir: Path, *extra: object) -> list[object]:
     return ["-m", "k3_trainer.cli", "train", "--parallel", "fsdp", "--pp", 2, "--data",
             data_dir, "--config", config, "--device", "cpu", "--decay-steps", STEPS,
@@ -75,3 +82,14 @@ def test_a_pipeline_checkpoint_loads_whole_into_one_process(continuous, data_dir
     started = k3_train("train", "--data", data_dir, "--device", "cpu", "--max-steps", 1,
                        "--run-dir", tmp_path / "continued", "--init-from", out)
     assert started.returncode == 0, started.stderr[-3000:]
+
+
+def test_a_pipeline_run_sharded_over_data_ranks_resumes_bitwise(data_dir, config, tmp_path):
+    """PP 2 × FSDP2 2 (4 processes): each stage's shards and optimizer state, resumed."""
+    continuous, interrupted = tmp_path / "continuous", tmp_path / "interrupted"
+    _torchrun4(*_cli(data_dir, config, continuous, "--max-steps", STEPS))
+    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", 2))
+    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", STEPS, "--resume"))
+    a, b = _final_state(continuous, tmp_path), _final_state(interrupted, tmp_path)
+    assert a["data_parallel"] == {"mode": "fsdp", "world_size": 4, "pp": 2, "dp": 2}
+    assert_bitwise_equal(a, b)

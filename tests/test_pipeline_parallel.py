@@ -1,4 +1,5 @@
-"""Pipeline stages (``--pipeline-parallel 2``) on 2 CPU processes (torchrun, gloo) against
+"""Pipeline stages (``--pipeline-parallel 2``) on 2 CPU processes (torchrun, gloo), and on
+4 with FSDP2 over 2 data ranks per stage, against
 one process that accumulates the same microbatches (tests/pipeline_worker.py), and the
 layouts refused before any process group. Deselect with ``-m 'not distributed'``.
 
@@ -34,17 +35,18 @@ STEPS = 3
 pytestmark = [one_launch_at_a_time, distributed]
 
 
-def _reference(out: Path, microbatches: int) -> dict:
+def _reference(out: Path, microbatches: int, data_ranks: int = 1) -> dict:
     done = subprocess.run([sys.executable, str(WORKER), "--reference", "--out", str(out),
-                           "--steps", str(STEPS), "--microbatches", str(microbatches)],
+                           "--steps", str(STEPS), "--microbatches", str(microbatches),
+                           "--data-ranks", str(data_ranks)],
                           capture_output=True, text=True, env=subprocess_env(), timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out / "rank0.pt", weights_only=False)
 
 
-def _pipelined(out: Path, *args: object) -> list[dict]:
-    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", WORKER, "--out", out,
-                   "--steps", STEPS, *args], timeout=240)
+def _pipelined(out: Path, *args: object, processes: int = 2) -> list[dict]:
+    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", processes, WORKER, "--out",
+                   out, "--steps", STEPS, *args], timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -99,3 +101,23 @@ def test_an_impossible_pipeline_layout_is_refused_in_one_line(flags, message, tm
                       "--run-dir", run_dir, *flags)
     assert_one_line_error(result, message, code=2)
     assert not run_dir.exists()
+
+
+@needs_torchrun
+def test_two_stages_sharded_over_two_data_ranks_match_one_process(tmp_path):
+    """PP 2 × FSDP2 2 on 4 processes: each stage's parameters sharded over its data ranks,
+    the balancer gathering both data ranks' rows (the reference composes each microbatch
+    of both ranks' rows in rank order, as that gather does). FSDP2's reduce-scatter sums
+    in another order than one process, so nothing is bitwise here."""
+    reference = _reference(tmp_path / "reference", 2, data_ranks=2)
+    ranks = _pipelined(tmp_path / "pp", processes=4)
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+    assert ranks[0]["norms"] == pytest.approx(reference["norms"], rel=1e-6)
+    last = {**ranks[0]["state"], **ranks[1]["state"]}
+    assert set(last) == set(reference["state"])
+    worst = max(_relative(tensor, last[name]) for name, tensor in reference["state"].items())
+    assert worst < 1e-3
+    names = sorted(reference["state"])
+    whole = torch.cat([reference["state"][n].double().flatten() for n in names])
+    ours = torch.cat([last[n].double().flatten() for n in names])
+    assert _relative(whole, ours) < 1e-6

@@ -17,7 +17,6 @@ def _config(**fields) -> TrainConfig:
     ({}, "ddp", 2, 4, "--pipeline-parallel 2 needs --parallel fsdp"),
     ({}, "none", 1, 4, "--pipeline-parallel 2 needs --parallel fsdp"),
     ({}, "fsdp", 3, 4, "the world size 3 is not a multiple of it"),
-    ({}, "fsdp", 4, 4, "with 2 data ranks per stage is not supported yet"),
     ({"expert_parallel": 2}, "fsdp", 2, 4, "--pipeline-parallel with --expert-parallel"),
     ({}, "fsdp", 2, 1, "2 stages, but the model has 1 decoder blocks"),
     ({}, "fsdp", 2, None, "but the model has 0 decoder blocks"),
@@ -39,7 +38,7 @@ def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world,
 
 
 @pytest.mark.parametrize(("fields", "world", "layers"), [
-    ({}, 2, 2), ({}, 2, 4), ({"pp_schedule": "gpipe", "pp_microbatches": 1}, 2, 4),
+    ({}, 2, 2), ({}, 4, 4), ({"pp_schedule": "gpipe", "pp_microbatches": 1}, 2, 4),
     ({"pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "pp_microbatches": 4},
      2, 4),
     ({"pipeline_parallel": 1}, 1, 1),

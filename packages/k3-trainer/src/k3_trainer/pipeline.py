@@ -56,10 +56,6 @@ def check_layout(config: TrainConfig, mode: str, world_size: int, n_layers: int 
     if world_size % stages:
         raise ConfigError(f"--pipeline-parallel {stages}: the world size {world_size} is not "
                           f"a multiple of it (world = pp × dp); launch {stages}·k processes")
-    if world_size != stages:
-        raise ConfigError(f"--pipeline-parallel {stages} with {world_size // stages} data ranks "
-                          "per stage is not supported yet (pipeline × FSDP2 hangs on its "
-                          f"first step; see the k3-trainer README); launch {stages} processes")
     if config.expert_parallel > 1:
         raise ConfigError("--pipeline-parallel with --expert-parallel is not supported yet; "
                           "drop one of them")
