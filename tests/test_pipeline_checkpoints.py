@@ -93,3 +93,22 @@ def test_a_pipeline_run_sharded_over_data_ranks_resumes_bitwise(data_dir, config
     a, b = _final_state(continuous, tmp_path), _final_state(interrupted, tmp_path)
     assert a["data_parallel"] == {"mode": "fsdp", "world_size": 4, "pp": 2, "dp": 2}
     assert_bitwise_equal(a, b)
+
+
+def test_activation_checkpointing_under_stages_changes_nothing(continuous, data_dir, config,
+                                                               tmp_path):
+    """``--activation-checkpointing block`` recomputes each stage's blocks in its backward:
+    every logged loss, gradient norm and validation loss is the same bits."""
+    run_dir = tmp_path / "checkpointed"
+    _torchrun(*_cli(data_dir, config, run_dir, "--max-steps", STEPS,
+                    "--activation-checkpointing", "block"))
+
+    def logged(run: Path) -> list[tuple]:
+        return [(e["event"], e["step"], e.get("loss"), e.get("grad_norm"), e.get("val_loss"))
+                for e in read_events(run / "metrics.jsonl") if e["event"] in ("train", "eval")]
+
+    assert logged(run_dir) == logged(continuous)
+    assert any(event == "eval" for event, *_ in logged(run_dir))
+    started = [e for e in read_events(run_dir / "metrics.jsonl")
+               if e["event"] == "session_start"]
+    assert started[0]["activation_checkpointing"] == "block"
