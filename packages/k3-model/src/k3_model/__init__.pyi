@@ -17,6 +17,7 @@ from .mlp import GatedMLP, SwiGLU, situ_glu
 from .model import Block, K3Model
 from .moe import Experts, MoE, Router, RoutingStats
 from .norm import RMSNorm
+from .pipeline import StageForward, keep_stages
 from .presets import PRESETS, preset
 from .rope import RotaryEmbedding, apply_rotary
 from .scoring import Continuations, Scored, score_continuations
@@ -46,6 +47,7 @@ __all__ = [
     "Router",
     "RoutingStats",
     "Scored",
+    "StageForward",
     "SwiGLU",
     "__version__",
     "apply_rotary",
@@ -56,6 +58,7 @@ __all__ = [
     "expert_counts",
     "flops_per_token",
     "kda_flops_per_token",
+    "keep_stages",
     "load_pretrained",
     "preset",
     "quantile_bias",

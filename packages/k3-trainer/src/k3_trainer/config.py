@@ -18,6 +18,7 @@ NSCoefficients = Literal["jordan", "polar_express"]
 UpdateScale = Literal["match_rms_adamw", "spectral", "none"]
 GQAMode = Literal["query_only", "group_min"]
 ActivationCheckpointing = Literal["none", "block"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
@@ -153,6 +154,14 @@ class TrainConfig:
     """block: recompute each decoder block in backward, trading compute for memory."""
     expert_parallel: int = 1
     """Expert-parallel degree N (--parallel fsdp): each rank keeps n_experts/N routed experts."""
+    pipeline_parallel: int = 1
+    """Pipeline stages P (--parallel fsdp): the decoder blocks cut into P contiguous stages."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """The pipeline schedule (torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B)."""
+    pp_microbatches: int | None = None
+    """Microbatches each batch is cut into under pipeline stages (default: the stage count)."""
+    pp_stages_per_rank: int = 1
+    """Virtual stages per rank (interleaved-1f1b: 2 or more)."""
     # reproducibility and debugging
     seed: int = 1337
     """Seed of the model's initialization and of every random number generator."""
@@ -171,11 +180,12 @@ class TrainConfig:
                 object.__setattr__(self, "warmup_steps", min(20, self.decay_steps // 10))
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
                      "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
-                     "decay_steps", "expert_parallel", "eval_tokens", "keep_last",
+                     "decay_steps", "expert_parallel", "pipeline_parallel",
+                     "pp_stages_per_rank", "eval_tokens", "keep_last",
                      "downstream_limit"):
             _positive_int(self, name)
         _int(self, "warmup_steps", low=0)
-        for name in ("eval_batches", "keep_every", "downstream_interval"):
+        for name in ("eval_batches", "keep_every", "downstream_interval", "pp_microbatches"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
         _int(self, "seed", low=0)

@@ -8,6 +8,12 @@ found-inf for the FP16 skip, a flag that is true on every rank when true on one)
 then the root) or wraps it in ``DistributedDataParallel``. ``--parallel none`` never
 touches ``torch.distributed``: the one-process path stays exactly as it was.
 
+The layout is a device mesh (``torch.distributed.device_mesh``) with named dimensions
+``pp`` (pipeline stages, :mod:`k3_trainer.pipeline`) and ``dp`` (data ranks, from which
+experts are carved): :class:`Parallel` owns each dimension's process group and every
+collective says which one it means (a stage's own tensors meet over ``dp`` only; what
+every rank must agree on, over the world). Without pipeline stages ``dp`` is the world.
+
 Expert parallelism (``--expert-parallel N``, FSDP2 only) is set up here too, through the
 model's own hooks (:class:`~k3_trainer.models.ExpertParallel` of its spec):
 :meth:`Parallel.shard_experts` gives each rank ``E/N`` routed experts of every MoE layer,
@@ -43,7 +49,7 @@ class Parallel:
     :meth:`wrap`. Checkpoints, QK-Clip and diagnostics keep using the model itself.
     """
 
-    def __init__(self, mode: str, device: torch.device) -> None:
+    def __init__(self, mode: str, device: torch.device, pipeline: int = 1) -> None:
         self.mode = mode
         self.device = device
         self.rank = dist.get_rank()
@@ -51,6 +57,23 @@ class Parallel:
         self.module: nn.Module | None = None
         self.expert_parallel = 1
         self._experts: ExpertParallel | None = None
+        self.pipeline = pipeline
+        """Pipeline stages (ranks along ``pp``); 1: every rank holds the whole model."""
+        self.data_parallel = self.world_size // pipeline
+        """Data ranks (along ``dp``): the ranks that read different rows."""
+        self.mesh: Any = None
+        self.data_group: Any = None  # None: the world (no pipeline), as before
+        self.pipeline_group: Any = None
+        self.pipeline_rank, self.data_rank = 0, self.rank
+        if pipeline > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(device.type, (pipeline, self.data_parallel),
+                                         mesh_dim_names=("pp", "dp"))
+            self.data_group = self.mesh["dp"].get_group()
+            self.pipeline_group = self.mesh["pp"].get_group()
+            self.pipeline_rank = self.mesh.get_local_rank("pp")
+            self.data_rank = self.mesh.get_local_rank("dp")
 
     @property
     def is_main(self) -> bool:
@@ -63,6 +86,8 @@ class Parallel:
         layout: dict[str, Any] = {"mode": self.mode, "world_size": self.world_size}
         if self.expert_parallel > 1:
             layout["expert_parallel"] = self.expert_parallel
+        if self.pipeline > 1:
+            layout.update(pp=self.pipeline, dp=self.data_parallel)
         return layout
 
     # --- expert parallelism --------------------------------------------------------------
@@ -102,9 +127,25 @@ class Parallel:
 
     # --- model -------------------------------------------------------------------------
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, stages: list[nn.Module] | None = None) -> nn.Module:
         """Shard (``fsdp``) or replicate (``ddp``) ``model`` for training; returns the module
-        to call forward on. Build the optimizer afterwards (FSDP2 swaps in DTensors)."""
+        to call forward on. Build the optimizer afterwards (FSDP2 swaps in DTensors).
+
+        Under pipeline stages the schedule calls each stage's forward module (``stages``),
+        not the model: FSDP2 shards each block, then each stage module as a root, over the
+        ``dp`` dimension, keeping parameters gathered between microbatches; with one data
+        rank nothing is sharded."""
+        if stages is not None:
+            if self.data_parallel > 1:
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.mesh["dp"]
+                for block in read_contract(model).blocks():
+                    fully_shard(block, mesh=mesh, reshard_after_forward=False)
+                for stage in stages:
+                    fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+            self.module = model
+            return model
         if self.mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -183,43 +224,62 @@ class Parallel:
         finite-loss check makes anyway. Each rank adds a one-hot of its signal beside its
         loss, so the sums say which signals arrived anywhere, whatever their mix. ``signum``
         may be ``signal.NSIG``, one past every real signal: the trainer's "a background
-        checkpoint write failed", which outranks them all."""
+        checkpoint write failed", which outranks them all. Under pipeline stages only the
+        last stage has a loss (the others pass zero): the sum is over the world, the mean
+        over the data ranks."""
         values = torch.zeros(1 + signal.NSIG, dtype=torch.float32, device=loss.device)
         values[0] = loss.detach().float()
         if signum:
             values[signum] = 1.0
         summed = self.sum_(values).tolist()
-        return summed[0] / self.world_size, max(
+        return summed[0] / self.data_parallel, max(
             (number for number in range(1, signal.NSIG + 1) if summed[number]), default=0)
 
     def sum_(self, tensor: Tensor) -> Tensor:
-        """Sum ``tensor`` over the ranks, in place; returns it."""
+        """Sum ``tensor`` over every rank, in place; returns it."""
         return self._all_reduce(tensor, dist.ReduceOp.SUM)
 
     def max_(self, tensor: Tensor) -> Tensor:
-        """MAX of ``tensor`` over the ranks, in place (QK-Clip's per-head logits); returns it."""
+        """MAX of ``tensor`` over every rank, in place (found-inf, stop flags); returns it."""
         return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def data_max_(self, tensor: Tensor) -> Tensor:
+        """MAX over the data ranks of this stage, in place (QK-Clip's per-head logits of
+        the MLA layers this stage holds); returns it."""
+        return self._all_reduce(tensor, dist.ReduceOp.MAX, self.data_group)
+
+    def data_sum_(self, tensor: Tensor) -> Tensor:
+        """Sum over the data ranks of this stage, in place; returns it."""
+        return self._all_reduce(tensor, dist.ReduceOp.SUM, self.data_group)
+
+    def pipeline_sum_(self, tensor: Tensor) -> Tensor:
+        """Sum over the stages of this data rank, in place (the squared gradient norms of
+        every stage's parameters); nothing without pipeline stages."""
+        if self.pipeline == 1:
+            return tensor
+        return self._all_reduce(tensor, dist.ReduceOp.SUM, self.pipeline_group)
 
     def any(self, flag: bool) -> bool:
         """True on every rank when true on at least one (a rejection anywhere is one
         everywhere)."""
         return bool(self.max_(torch.tensor([1.0 if flag else 0.0])).item())
 
-    def _all_reduce(self, tensor: Tensor, op: Any) -> Tensor:
-        """In place; a host tensor under nccl travels through the device and back."""
+    def _all_reduce(self, tensor: Tensor, op: Any, group: Any = None) -> Tensor:
+        """In place over ``group`` (None: the world); a host tensor under nccl travels
+        through the device and back."""
         if dist.get_backend() == "nccl" and tensor.device.type == "cpu":
             on_device = tensor.to(self.device)
-            dist.all_reduce(on_device, op=op)
+            dist.all_reduce(on_device, op=op, group=group)
             tensor.copy_(on_device)
         else:
-            dist.all_reduce(tensor, op=op)
+            dist.all_reduce(tensor, op=op, group=group)
         return tensor
 
     def gather_rows(self, tensor: Tensor) -> Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 in rank order: the rows one
         process with the whole global batch would hold (the MoE balancer's tokens)."""
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous())
+        parts = [torch.empty_like(tensor) for _ in range(self.data_parallel)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.data_group)
         return torch.cat(parts)
 
     def sync_found_inf(self, scaler: torch.amp.GradScaler,
@@ -237,31 +297,68 @@ class Parallel:
         dist.barrier()
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
+                   parallel: Parallel | None = None,
+                   slots: tuple[list[int], int] | None = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (FSDP2's
     and expert parallelism's), whose DTensor gradients cannot meet in one foreach call:
     each mesh's norm is reduced over its own ranks, the total clips every group. One mesh
-    or none: torch's function itself (the norm is made whole, a plain tensor)."""
+    or none: torch's function itself (the norm is made whole, a plain tensor). Under
+    pipeline stages (``parallel.pipeline > 1``) every stage clips by the norm of the whole
+    model: ``slots`` (each parameter's index in the whole model, and their count; from
+    :attr:`~k3_trainer.pipeline.Pipeline.slots`) lays every stage's per-parameter norms
+    out in the whole model's order, so that with unsharded stages the norm is bitwise
+    the one process's; otherwise (or sharded stages) the stages' squares are summed."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     meshes: dict[int, list[nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
             meshes.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
-    if len(meshes) <= 1:
+    staged = parallel is not None and parallel.pipeline > 1
+    if len(meshes) <= 1 and not staged:
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    plain = not any(hasattr(p.grad, "full_tensor") for p in parameters)
+    if staged and slots is not None and len(meshes) <= 1 and plain:
+        assert parallel is not None
+        whole = _slotted_norm(parameters, slots, parallel)
+        clip_grads_with_norm_(parameters, max_norm, whole)
+        return whole
     norms = []
     for group in meshes.values():
         part = get_total_norm([p.grad for p in group if p.grad is not None])
         norms.append(part.full_tensor() if hasattr(part, "full_tensor") else part)
-    total: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms)) if norms else \
+        torch.zeros((), device=parallel.device if parallel is not None else None)
+    if staged:
+        assert parallel is not None
+        total = parallel.pipeline_sum_(total.float().square().reshape(1)).sqrt().reshape(())
     for group in meshes.values():
         clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
-def init_parallel(mode: str, device: torch.device) -> tuple[Parallel | None, torch.device]:
+def _slotted_norm(parameters: list[nn.Parameter], slots: tuple[list[int], int],
+                  parallel: Parallel) -> Tensor:
+    """The whole model's gradient norm from this stage's plain gradients: each
+    parameter's norm in its whole-model slot (zeros elsewhere, exact under a sum), the
+    vector summed over the stages, then normed as ``get_total_norm`` norms its stack."""
+    from torch.nn.utils import get_total_norm
+
+    positions, count = slots
+    grads = [(position, p.grad) for position, p in zip(positions, parameters, strict=True)
+             if p.grad is not None]
+    vector = torch.zeros(count, dtype=grads[0][1].dtype if grads else torch.float32,
+                         device=parallel.device)
+    for position, grad in grads:
+        vector[position] = get_total_norm([grad])
+    whole: Tensor = torch.linalg.vector_norm(parallel.pipeline_sum_(vector))
+    return whole
+
+
+def init_parallel(mode: str, device: torch.device, pipeline: int = 1
+                  ) -> tuple[Parallel | None, torch.device]:
     """Join torchrun's process group for ``mode`` (``ddp``/``fsdp``); returns the
     :class:`Parallel` and this rank's device (``cuda:LOCAL_RANK`` on CUDA).
 
@@ -287,7 +384,7 @@ def init_parallel(mode: str, device: torch.device) -> tuple[Parallel | None, tor
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
-    return Parallel(mode, device), device
+    return Parallel(mode, device, pipeline), device
 
 
 def shutdown(parallel: Parallel | None, *, clean: bool = True) -> None:

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig, *,
-                    distributed: bool | None = None) -> MuonAdamW:
+                    distributed: bool | None = None, stage: bool = False) -> MuonAdamW:
     """Nesterov Muon for hidden matrices, AdamW for the rest, in one optimizer.
 
     Every group starts at ``peak_lr``; the loop assigns the scheduled LR to all groups
@@ -29,6 +29,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig, *,
     ``distributed`` is MuonAdamW's: None detects FSDP2's DTensor parameters (build the
     optimizer after ``fully_shard``); True for DDP's replicated parameters, so each
     matrix is orthogonalized by one rank instead of by all.
+
+    ``stage``: ``model`` is one pipeline stage's cut, whose declared groups may be empty
+    (no MLA layer on this stage): those are dropped, since a sharded checkpoint keys a
+    group's settings by its parameters' names and could not restore an empty one.
     """
     groups = read_contract(model).parameter_groups(config.peak_lr, config.weight_decay)
     if groups is not None:
@@ -40,6 +44,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig, *,
         )
         groups = build_parameter_groups(model, lr=config.peak_lr,
                                         weight_decay=config.weight_decay)
+    if stage:
+        groups = [group for group in groups if list(group["params"])]
     return MuonAdamW(
         groups,
         lr=config.peak_lr,

@@ -132,6 +132,8 @@ class DataParallel:
     world_size: int | None
     """A positive count of processes (None: not recorded, or damaged)."""
     expert_parallel: int | None = None
+    pp: int | None = None
+    """Pipeline stages (None: one, as every record before pipelines)."""
 
     @classmethod
     def from_json(cls, raw: Any) -> DataParallel | None:
@@ -139,12 +141,14 @@ class DataParallel:
             return None
         size = _int(raw.get("world_size"))
         return cls(_str(raw.get("mode")), size if size is not None and size > 0 else None,
-                   _int(raw.get("expert_parallel")))
+                   _int(raw.get("expert_parallel")), _int(raw.get("pp")))
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.mode, "world_size": self.world_size,
                 **({} if self.expert_parallel is None
-                   else {"expert_parallel": self.expert_parallel})}
+                   else {"expert_parallel": self.expert_parallel}),
+                **({} if self.pp is None else {"pp": self.pp, "dp": (self.world_size or 0)
+                                               // self.pp})}
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from k3_qkclip import QKClip
+from k3_qkclip import QKClip, QKClipPolicy
 
 from .callbacks import Callback, Callbacks
 from .checkpoint import (
@@ -48,6 +48,7 @@ from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
 from .observe.sources import SourceLosses
+from .pipeline import Pipeline, PipelineEvaluation, stage_qk_policy
 from .precision import (
     autocast,
     make_grad_scaler,
@@ -111,7 +112,10 @@ class Trainer:
                  parallel: Parallel | None = None,
                  checkpoint_path: str | Path | CheckpointStore | None = None,
                  callbacks: Iterable[Callback] = (),
-                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+                 grad_scaler: torch.amp.GradScaler | None = None,
+                 pipeline: Pipeline | None = None) -> None:
+        self.pipeline = pipeline
+        """This rank's pipeline stages and their schedule (None: the whole model here)."""
         self.contract: ModelContract = check_model(model)
         self.model, self.optimizer, self.config, self.parallel = model, optimizer, config, parallel
         self.loaders = Loaders(*loaders)
@@ -129,7 +133,7 @@ class Trainer:
         if config.document_masking:
             check_takes_documents(model)
             self._document_boundary = document_boundary(self.loaders.train)
-        self.world = parallel.world_size if parallel is not None else 1
+        self.world = parallel.data_parallel if parallel is not None else 1
         self.scaler = grad_scaler or make_grad_scaler(self.device, config.precision)
         self.callbacks = Callbacks(callbacks)
         self.profiler = TrainingProfiler(self.device)
@@ -159,7 +163,9 @@ class Trainer:
         self._stop_signal: int | None = None
         self._agreed_stop = 0  # the largest signal any rank had, as of the last loss reduce
         self.checkpointer = Checkpointer(self.states(),
-                                         run_metadata(self.contract, config, parallel),
+                                         run_metadata(self.contract, config, parallel,
+                                                      None if pipeline is None
+                                                      else pipeline.qk_geometry),
                                          TRAINER_POLICY, parallel)
         self.saves = Saves(self.checkpointer, self.store, parallel,
                            background=config.async_checkpoint, event=self._event,
@@ -252,10 +258,10 @@ class Trainer:
         self.window.reset(None)
         if self.by_source is not None:
             self.by_source.reset()
-        qk_reduce = self.parallel.max_ if self.parallel is not None else None
+        qk_reduce = self.parallel.data_max_ if self.parallel is not None else None
         compile_clock = CompileClock()
         with self.profiler, self.moe, compile_clock, \
-                QKClip(self.model, qk_clip_policy(config), reduce_max=qk_reduce) as qk_clip:
+                QKClip(self.model, self._qk_policy(), reduce_max=qk_reduce) as qk_clip:
             self._event("session_start", step=self.state.step,
                         tokens_seen=self.state.tokens_seen, max_steps=config.max_steps,
                         precision=config.precision, device=str(self.device),
@@ -355,6 +361,11 @@ class Trainer:
         for _ in range(config.gradient_accumulation_steps):
             with profiler.region("train/data"):
                 x, y = self._training_batch()
+            if self.pipeline is not None:
+                loss_sum += self._pipeline_microbatches(x, y, step)
+                tokens += y.numel() * self.world
+                self.state.tokens_seen += y.numel() * self.world
+                continue
             with profiler.region("train/forward"):
                 documents = {} if self._document_boundary is None else {
                     "document_ids": document_ids(x, self._document_boundary)}
@@ -377,7 +388,8 @@ class Trainer:
                 self.parallel.sync_found_inf(scaler, self.optimizer)
             # FSDP2 and expert parallelism: the norm of every rank's shards, whole.
             norm = clip_grad_norm(list(self.model.parameters()),
-                                  config.max_grad_norm or float("inf"))
+                                  config.max_grad_norm or float("inf"), self.parallel,
+                                  None if self.pipeline is None else self.pipeline.slots)
             # The update's one host read: pre-clip norm, QK observations' finiteness and
             # the scaler's found-inf, together (see _host_values).
             grad_norm, qk_nonfinite, overflow = _host_values(
@@ -409,6 +421,26 @@ class Trainer:
         profiler.attempt_done()
         self.callbacks.attempt_end(self, step)
         return _Attempt(step, lr, loss_sum, tokens, grad_norm, overflow)
+
+    def _qk_policy(self) -> QKClipPolicy:
+        policy = qk_clip_policy(self.config)
+        return policy if self.pipeline is None else stage_qk_policy(self.model, policy)
+
+    def _pipeline_microbatches(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        """One batch through the pipeline schedule, forward and backward; returns its
+        share of the update's mean loss (over the data ranks), checked finite."""
+        assert self.pipeline is not None
+        accumulation = self.config.gradient_accumulation_steps
+        documents = {} if self._document_boundary is None else {
+            "document_ids": document_ids(x, self._document_boundary)}
+        with self.profiler.region("train/pipeline"), autocast(self.device,
+                                                              self.config.precision):
+            local = self.pipeline.train(x, y, accumulation * self.pipeline.count,
+                                        self.scaler.scale, **documents)
+        value = self._mean_loss(local)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"Non-finite training loss at step {step}")
+        return value
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor, documents: dict[str, Any]
               ) -> torch.Tensor:
@@ -475,17 +507,28 @@ class Trainer:
     def evaluate(self) -> None:
         """Evaluate the fixed validation prefix (``eval`` event)."""
         with self.profiler.region("eval"):
+            evaluated = self.model if self.pipeline is None else PipelineEvaluation(
+                self.pipeline, self.model)
             result = evaluate_split(
-                self.model, self.loaders.val, self.device,
+                evaluated, self.loaders.val, self.device,
                 self.config.validation_batches(self.loaders.val.tokens_per_batch),
                 self.config.precision,
-                all_reduce=self.parallel.sum_ if self.parallel is not None else None,
+                all_reduce=(None if self.parallel is None else self.parallel.sum_
+                            if self.pipeline is None else self._pipeline_eval_sum),
                 document_boundary=self._document_boundary)
         by_source = {} if result.by_source is None else {"val_by_source": {
             name: {"val_loss": part.loss, "val_bpb": part.bpb, "val_tokens": part.tokens}
             for name, part in result.by_source.items()}}
         self._event("eval", step=self.state.step, val_loss=result.loss, val_bpb=result.bpb,
                     val_tokens=result.tokens, tokens_seen=self.state.tokens_seen, **by_source)
+
+    def _pipeline_eval_sum(self, sums: torch.Tensor) -> None:
+        """``[loss·tokens, tokens, bytes]``: the loss lives on the last stage (summed over
+        the world), the counts on every stage (summed over the data ranks)."""
+        assert self.parallel is not None
+        total = self.parallel.sum_(sums[:1].clone())
+        self.parallel.data_sum_(sums)
+        sums[0] = total[0]
 
     def save_checkpoint(self) -> str:
         """Write the checkpoint at this update boundary; returns its digest (``""`` when it

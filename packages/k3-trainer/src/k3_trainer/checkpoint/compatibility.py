@@ -30,7 +30,8 @@ TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
     may_differ=frozenset(f"train_config.{name}" for name in (
         "max_steps", "log_interval", "eval_interval", "checkpoint_interval", "eval_batches",
         "eval_tokens", "async_checkpoint", "keep_last", "keep_every",
-        "activation_checkpointing", "expert_parallel", "downstream", "downstream_interval",
+        "activation_checkpointing", "expert_parallel", "pipeline_parallel",
+        "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "downstream", "downstream_interval",
         "downstream_limit")),
     step_limit=("train_config.max_steps", f"{COUNTERS}.step"),
 )
@@ -89,16 +90,19 @@ def qk_clip_policy(config: TrainConfig) -> QKClipPolicy:
 
 
 def run_metadata(contract: ModelContract, config: TrainConfig,
-                 parallel: Parallel | None = None) -> dict[str, Any]:
+                 parallel: Parallel | None = None,
+                 geometry: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a resume compares (under :data:`TRAINER_POLICY`) but does not restore. A
     data-parallel run adds its layout (``data_parallel``: mode, world size), so a
-    one-process checkpoint stays byte-for-byte what it was."""
+    one-process checkpoint stays byte-for-byte what it was. ``geometry``: the whole
+    model's QK-Clip geometry when ``contract.model`` is one pipeline stage's cut."""
     policy = qk_clip_policy(config)
     extra = {"data_parallel": parallel.describe()} if parallel is not None else {}
-    try:
-        geometry = QKClip(contract.model, policy).geometry()
-    except ValueError as error:  # QK-Clip on, and no attention declares its geometry
-        raise ConfigError(str(error)) from None
+    if geometry is None:
+        try:
+            geometry = QKClip(contract.model, policy).geometry()
+        except ValueError as error:  # QK-Clip on, and no attention declares its geometry
+            raise ConfigError(str(error)) from None
     return {
         **extra,
         "train_config": config.to_dict(),
@@ -109,7 +113,7 @@ def run_metadata(contract: ModelContract, config: TrainConfig,
     }
 
 
-LAYOUT_DEFAULTS = {"mode": "none", "world_size": 1, "expert_parallel": 1}
+LAYOUT_DEFAULTS = {"mode": "none", "world_size": 1, "expert_parallel": 1, "pp": 1}
 """The data-parallel layout fields a checkpoint does not record: a one-process run records
 no layout, a run without expert parallelism no degree."""
 

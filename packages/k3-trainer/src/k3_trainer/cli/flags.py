@@ -76,6 +76,10 @@ def shown(value: Any) -> str:
     return str(value)
 
 
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"pipeline_parallel": ("--pp",)}
+"""Shorter spellings of a field's flag, as the launchers people know spell them."""
+
+
 def add_config_flags(group: Any, cls: type, *, dest_prefix: str,
                      default_note: Callable[[str, Any], str] | None = None) -> None:
     """Add one flag per field of the dataclass ``cls`` to ``group`` (a parser or an
@@ -87,20 +91,22 @@ def add_config_flags(group: Any, cls: type, *, dest_prefix: str,
         default = (f"default: {shown(item.default)}" if default_note is None
                    else default_note(item.name, item.default))
         doc = docs.get(item.name, "")
-        flag, dest = "--" + item.name.replace("_", "-"), dest_prefix + item.name
+        flags = ("--" + item.name.replace("_", "-"), *FLAG_ALIASES.get(item.name, ()))
+        dest = dest_prefix + item.name
         help_line = f"{doc.rstrip('.')} ({default})" if doc else f"({default})"
         if kind is bool:
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+            group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,
                                default=None, help=help_line)
         elif get_origin(kind) is Literal:
-            group.add_argument(flag, dest=dest, choices=get_args(kind), default=None,
+            group.add_argument(*flags, dest=dest, choices=get_args(kind), default=None,
                                help=help_line)
         elif kind in (int, float):
             word = "an integer" if kind is int else "a number"
-            group.add_argument(flag, dest=dest, type=_number(kind, word), default=None,
+            group.add_argument(*flags, dest=dest, type=_number(kind, word), default=None,
                                metavar="N" if kind is int else "X", help=help_line)
         else:
-            group.add_argument(flag, dest=dest, default=None, metavar="TEXT", help=help_line)
+            group.add_argument(*flags, dest=dest, default=None, metavar="TEXT",
+                               help=help_line)
 
 
 def given(namespace: argparse.Namespace, dest_prefix: str) -> dict[str, Any]:

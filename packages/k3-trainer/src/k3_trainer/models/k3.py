@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from k3_model.config import K3Config
 from k3_model.presets import PRESETS
 
-from .spec import ExpertParallel, HubFolderError, HubFormat, ModelSpec
+from ..config import ConfigError
+from .spec import ExpertParallel, HubFolderError, HubFormat, ModelSpec, PipelineHooks
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,30 @@ def _moved_bytes(model: nn.Module) -> int:
     from k3_model.expert_parallel import pop_moved_bytes
 
     return pop_moved_bytes(model)
+
+
+def _n_layers(model: nn.Module) -> int:
+    return int(model.config.n_layers)  # type: ignore[union-attr, arg-type]
+
+
+def _keep(model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
+    from k3_model.pipeline import keep_stages
+
+    try:
+        keep_stages(model, layers, first=first, last=last)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> nn.Module:
+    from k3_model.pipeline import StageForward
+
+    return StageForward(model, layers, first=first, last=last)  # type: ignore[arg-type]
+
+
+def _stage_loss(stage: nn.Module, output: Tensor, targets: Tensor) -> Tensor:
+    loss: Tensor = stage.loss(output, targets)  # type: ignore[operator]
+    return loss
 
 
 @contextmanager
@@ -129,6 +154,7 @@ SPEC = ModelSpec(
     expert_parallel=ExpertParallel(
         n_experts=_n_experts, shard=_shard, parameters=_expert_parameters,
         reduce_gradients=_reduce_gradients, moved_bytes=_moved_bytes),
+    pipeline=PipelineHooks(n_layers=_n_layers, keep=_keep, stage=_stage, loss=_stage_loss),
     hub=HubFormat(
         model_types=("kimi_linear", "kimi_k3"), save=_save, load=_load,
         config=_pretrained_config, load_weights=_load_weights, token_ids=_token_ids,

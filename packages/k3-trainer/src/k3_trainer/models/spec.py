@@ -45,6 +45,22 @@ class ExpertParallel:
     """Bytes this rank's expert exchanges sent to other ranks since the last call."""
 
 
+@dataclass(frozen=True)
+class PipelineHooks:
+    """How a model is cut into pipeline stages (``--pipeline-parallel P``,
+    :mod:`k3_trainer.pipeline`)."""
+
+    n_layers: Callable[[nn.Module], int]
+    """The decoder blocks, cut between."""
+    keep: Callable[..., None]
+    """``keep(model, layers, first=, last=)``: delete, in place, every layer outside
+    ``layers`` (the embedding unless ``first``, the head unless ``last``), keeping names."""
+    stage: Callable[..., nn.Module]
+    """``stage(model, layers, first=, last=)``: one stage's forward module (a range)."""
+    loss: Callable[[nn.Module, Tensor, Tensor], Tensor]
+    """``loss(stage_module, last_output, targets)``: the mean token loss."""
+
+
 class HubFolderError(ValueError):
     """What :class:`HubFormat`'s hooks raise for a folder or a model they refuse, in one
     line naming the field or tensor."""
@@ -95,6 +111,8 @@ class ModelSpec:
     """Data parallel: give the model a function that gathers every rank's rows, for state
     that must see the global batch (K3's MoE balancer)."""
     expert_parallel: ExpertParallel | None = None
+    pipeline: PipelineHooks | None = None
+    """How to cut the model into pipeline stages (None: it cannot be)."""
     hub: HubFormat | None = None
 
     def __post_init__(self) -> None:

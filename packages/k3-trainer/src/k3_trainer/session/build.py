@@ -18,6 +18,7 @@ from ..data import BatchLoader, MixtureLoader, Source, TokenDataLoader, check_vo
 from ..distributed import Parallel
 from ..models import HubFolderError, ModelSpec
 from ..optim import build_optimizer
+from ..pipeline import Pipeline
 from ..trainer import Trainer
 from .plan import Plan
 
@@ -62,7 +63,8 @@ def loaders(
     """Both loaders (this rank's rows) of one dataset or of a mixture of ``sources``
     (``adopt``: a new phase, which may read another mixture than its checkpoint's),
     checked against the model's vocabulary and length."""
-    rank, world = (parallel.rank, parallel.world_size) if parallel is not None else (0, 1)
+    rank, world = (parallel.data_rank, parallel.data_parallel) if parallel is not None \
+        else (0, 1)
     train: BatchLoader
     val: BatchLoader
     if sources:
@@ -138,6 +140,12 @@ def build_trainer(
             f"--expert-parallel {config.expert_parallel} needs a torchrun launch "
             "with --parallel fsdp (e.g. k3-train train --nproc 2 --parallel fsdp)"
         )
+    pipeline = None
+    if parallel is not None and parallel.pipeline > 1:
+        if spec.pipeline is None:
+            raise ConfigError(f"--pipeline-parallel: the model {spec.name!r} declares no way "
+                              "to cut it into stages")
+        pipeline = Pipeline(model, spec.pipeline, parallel, config)  # cuts the model
     if parallel is not None:
         parallel.shard_experts(model, config.expert_parallel, spec.expert_parallel)
         # Activation checkpointing and compile before sharding/wrapping (the order PyTorch
@@ -145,7 +153,11 @@ def build_trainer(
         prepare_model(model, config)
         if spec.set_token_gather is not None:
             spec.set_token_gather(model, parallel.gather_rows)
-        parallel.wrap(model)
+        parallel.wrap(model, None if pipeline is None else pipeline.modules)
         distributed = True if parallel.mode == "ddp" else None
-    optimizer = build_optimizer(model, config, distributed=distributed)
-    return Trainer(model, optimizer, data, config, parallel=parallel, checkpoint_path=checkpoint)
+    if pipeline is not None:
+        pipeline.start()
+    optimizer = build_optimizer(model, config, distributed=distributed,
+                                stage=pipeline is not None)
+    return Trainer(model, optimizer, data, config, parallel=parallel, checkpoint_path=checkpoint,
+                   pipeline=pipeline)

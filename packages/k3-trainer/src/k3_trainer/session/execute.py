@@ -21,6 +21,7 @@ from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
 from ..observe.metrics import mark_superseded
+from ..pipeline import check_layout
 from ..precision import validate_precision
 from ..record import (
     METRICS,
@@ -35,6 +36,7 @@ from ..record import (
 from ..schedule import horizon_notes, phase_lr_warning
 from ..state import TrainState
 from ..tasks import DownstreamTasks, parse_tasks
+from ..torchrun import launched_world_size
 from ..trainer import Trainer
 from .build import build_trainer, max_seq_len_of, parse_device
 from .messages import Say, to_stderr, to_stdout
@@ -62,12 +64,15 @@ def train(
     """The whole session: join the process group ``request.parallel`` names (torchrun's),
     resolve the plan on every rank, execute it, and leave the group cleanly; returns the
     exit status (0: trained, or already complete)."""
-    parallel, device = init_parallel(request.parallel, parse_device(request.device))
+    plan = resolve(request, notes, say)
+    n_layers = getattr(plan.model_config, "n_layers", None)
+    check_layout(plan.config, request.parallel, launched_world_size(),
+                 n_layers if isinstance(n_layers, int) else None)  # before any process group
+    parallel, device = init_parallel(request.parallel, parse_device(request.device),
+                                     plan.config.pipeline_parallel)
     clean = False
     try:
-        status = execute(
-            resolve(request, notes, say), device, parallel, say=say, result=result, explain=explain
-        )
+        status = execute(plan, device, parallel, say=say, result=result, explain=explain)
         clean = True
         return status
     finally:

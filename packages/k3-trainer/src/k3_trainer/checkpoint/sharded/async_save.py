@@ -66,7 +66,7 @@ def start_sharded_write(folder: Path, states: Mapping[str, Any], metadata: Mappi
     group = _BACKGROUND.side_group(parallel)
     staged, snapshot, failure = None, None, None
     try:
-        prepared = prepare(states)
+        prepared = prepare(states, parallel)
         staged = _stage(prepared.state)
         if is_main(parallel):
             snapshot = k3_checkpoint.snapshot_checkpoint(

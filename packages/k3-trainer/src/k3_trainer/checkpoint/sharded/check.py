@@ -53,6 +53,9 @@ class Expected:
     """:func:`live_tensors`."""
     others: list[str]
     """The components read through their own ``load_state_dict``."""
+    stage: int | None = None
+    """This rank's pipeline rank under pipeline stages (None: the whole model here): the
+    folder holds every stage's tensors and layouts, this rank checks its own."""
 
 
 class ShardIndex:
@@ -95,7 +98,8 @@ class ShardIndex:
                 raise ValueError(f"shard file {name} does not match its recorded size and "
                                  "checksum: the checkpoint is corrupt")
         if self.expected is not None:  # the model's own mismatches first: the clearest
-            check_tensor_table(self.folder, self.expected.tensors)
+            check_tensor_table(self.folder, self.expected.tensors,
+                               partial=self.expected.stage is not None)
         if "components" in saved:
             _check_record(saved, self.folder, self.expected)
         self.saved = dict(saved)
@@ -142,7 +146,14 @@ def _check_record(saved: Mapping[str, Any], folder: Path, expected: Expected | N
         if record.get("type") != live["type"]:
             raise ValueError(f"{name} class: checkpoint {record.get('type')}, current "
                              f"{live['type']}")
-        _check_layout(name, record.get("layout"), live["layout"])
+        saved_layout = record.get("layout")
+        if expected.stage is not None:
+            stages = record.get("stages")
+            if not isinstance(stages, list) or len(stages) <= expected.stage:
+                raise ValueError(f"{name}: the checkpoint records no layout for pipeline "
+                                 f"stage {expected.stage} (not saved at this --pp)")
+            saved_layout = stages[expected.stage]
+        _check_layout(name, saved_layout, live["layout"])
 
 
 def _check_layout(name: str, saved: Any, live: list[dict[str, Any]]) -> None:
@@ -164,11 +175,12 @@ def _entry(entry: Any) -> str:
     return " ".join(str(entry.get(key)) for key in ("group", "name", "shape", "dtype"))
 
 
-def check_tensor_table(folder: Path, live: dict[str, Any]) -> None:
+def check_tensor_table(folder: Path, live: dict[str, Any], *, partial: bool = False) -> None:
     """Raise ``ValueError`` unless the folder's tensors fit the live model and optimizer:
     the same model entries with the same global shapes and dtypes, and optimizer state only
     for live parameters, parameter-shaped (or shaped like its leading dims: per-row
-    statistics) wherever it is more than a scalar."""
+    statistics) wherever it is more than a scalar. ``partial`` (one pipeline stage): the
+    live entries must be there; the other stages' are not this rank's to check."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -178,7 +190,7 @@ def check_tensor_table(folder: Path, live: dict[str, Any]) -> None:
     saved_model = {key: value for key, value in tensors.items() if key.startswith("model.")}
     wanted: dict[str, Any] = live["model"]
     missing = sorted(set(wanted) - set(saved_model))
-    extra = sorted(set(saved_model) - set(wanted))
+    extra = [] if partial else sorted(set(saved_model) - set(wanted))
     if missing or extra:
         raise ValueError(f"model tensors missing {_listed(missing)}, unexpected "
                          f"{_listed(extra)}")
@@ -192,6 +204,8 @@ def check_tensor_table(folder: Path, live: dict[str, Any]) -> None:
             continue
         name, _, field = key[len("optimizer.state."):].rpartition(".")
         if name not in parameters:
+            if partial:
+                continue
             stray.append(key[len("optimizer.state."):])
         elif (len(shape) > 0 and torch.Size(shape).numel() > 1
               and not parameter_shaped(shape, parameters[name])):

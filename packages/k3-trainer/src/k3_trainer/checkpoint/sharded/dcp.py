@@ -62,6 +62,17 @@ def optimizer_record(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict
             "layout": k3_checkpoint.optimizer_layout(optimizer, model)}
 
 
+def stage_options(parallel: Parallel | None) -> Any:
+    """DCP's state-dict options: under pipeline stages the optimizer's groups are keyed by
+    their parameters' names (``flatten_optimizer_state_dict``), since each stage's
+    optimizer numbers its own groups from 0 and the stages' entries would collide."""
+    if parallel is None or parallel.pipeline == 1:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0]
 

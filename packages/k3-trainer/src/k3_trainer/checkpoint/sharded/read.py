@@ -37,6 +37,7 @@ from .dcp import (
     optimizer_record,
     other_components,
     single_process_quiet,
+    stage_options,
     weights_only_planner,
 )
 from .folder import META
@@ -66,7 +67,9 @@ def read_sharded(folder: Path, states: Mapping[str, Any], metadata: Mapping[str,
         components=[name for name, _ in leaves(states)], subset=subset,
         optimizers={} if optimizer is None else {
             OPTIMIZER: optimizer_record(optimizer, model)},
-        tensors=live_tensors(model, optimizer), others=[name for name, _ in others])
+        tensors=live_tensors(model, optimizer), others=[name for name, _ in others],
+        stage=parallel.pipeline_rank if parallel is not None and parallel.pipeline > 1
+        else None)
     index = ShardIndex(folder, expected=expected, parallel=parallel)
     # The one rollback: every component read through load_state_dict and the RNG, as now.
     snapshot = Snapshot({k: v for k, v in states.items() if k not in TENSOR_COMPONENTS})
@@ -239,9 +242,10 @@ def _read_tensors(folder: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         return
     # get_state_dict gives a never-stepped optimizer its state with one lr=0 step; the
     # checkpoint then overwrites all of it.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    options = stage_options(parallel)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = {MODEL: model_state, OPTIMIZER: optimizer_state}
     read(state)
     set_state_dict(model, optimizer, model_state_dict=state[MODEL],
-                   optim_state_dict=state[OPTIMIZER])
+                   optim_state_dict=state[OPTIMIZER], options=options)
     optimizer.zero_grad(set_to_none=True)

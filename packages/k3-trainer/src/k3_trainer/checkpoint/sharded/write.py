@@ -32,6 +32,7 @@ from .dcp import (
     optimizer_record,
     other_components,
     single_process_quiet,
+    stage_options,
 )
 from .folder import META, hash_files
 from .tree import put_at, skeleton
@@ -76,7 +77,7 @@ def write_sharded(folder: Path, states: Mapping[str, Any], metadata: Mapping[str
     folder = Path(folder)
     prepared, failure = None, None
     try:
-        prepared = prepare(states)
+        prepared = prepare(states, parallel)
     except OSError as error:
         failure = error
     agree(parallel, failure)
@@ -97,18 +98,24 @@ def write_sharded(folder: Path, states: Mapping[str, Any], metadata: Mapping[str
     return seal(folder, write_meta if is_main(parallel) else None, parallel, None)
 
 
-def prepare(states: Mapping[str, Any]) -> Prepared:
+def prepare(states: Mapping[str, Any], parallel: Parallel | None = None) -> Prepared:
     """The state DCP writes and the shard index's record; ``OSError`` (errno 0) for states
-    a checkpoint cannot hold."""
+    a checkpoint cannot hold. Under pipeline stages (call on every rank) the optimizer's
+    record adds every stage's layout (``stages``), so each stage checks its own on load."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     model, optimizer = model_and_optimizer(states)
     if optimizer is not None:
+        failure: OSError | None = None
         try:
             optimizers = {OPTIMIZER: optimizer_record(optimizer, model)}
         except k3_checkpoint.CheckpointError as error:
-            raise OSError(0, str(error)) from error
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+            failure, optimizers = OSError(0, str(error)), {}
+        _add_stage_layouts(optimizers, parallel)  # a collective: before raising
+        if failure is not None:
+            raise failure
+        model_state, optimizer_state = get_state_dict(model, optimizer,
+                                                      options=stage_options(parallel))
         state: dict[str, Any] = {MODEL: model_state, OPTIMIZER: optimizer_state}
     else:
         state, optimizers = {MODEL: get_model_state_dict(model)}, {}
@@ -126,6 +133,21 @@ def prepare(states: Mapping[str, Any]) -> Prepared:
     names = [name for name, _ in leaves(states)]
     return Prepared(state, {"components": sorted(names), "optimizers": optimizers,
                              "structure": structure}, model)
+
+
+def _add_stage_layouts(optimizers: dict[str, Any], parallel: Parallel | None) -> None:
+    """Every pipeline stage's optimizer layout, in stage order, into the record (rank 0
+    writes it, holding only the first stage); nothing without stages."""
+    if parallel is None or parallel.pipeline == 1:
+        return
+    import torch.distributed as dist
+
+    record = optimizers.get(OPTIMIZER)
+    gathered: list[Any] = [None] * parallel.pipeline
+    dist.all_gather_object(gathered, None if record is None else record["layout"],
+                           group=parallel.pipeline_group)
+    if record is not None:
+        record["stages"] = gathered
 
 
 def seal(folder: Path, write_meta: Callable[[dict[str, Any]], str] | None,

@@ -1,0 +1,226 @@
+"""Pipeline stages through ``torch.distributed.pipelining``: the layout's refusals, the
+cut model, its ``PipelineStage``s and the schedule that runs one batch's microbatches.
+
+``--pipeline-parallel P`` cuts the decoder blocks into ``P × V`` contiguous stages
+(``V = --pp-stages-per-rank``, 2 or more for ``interleaved-1f1b``; stage ``s`` on pipeline
+rank ``s mod P``), through the model spec's hooks (:class:`PipelineHooks`; K3Model's are
+:mod:`k3_model.pipeline`). Each rank keeps one model holding every layer of its stages,
+under the whole model's parameter names, so the optimizer, QK-Clip, the balancer and the
+checkpoint see an ordinary (smaller) model and a checkpoint does not depend on ``P``.
+
+One process's mathematics: the schedule is built with ``scale_grads=False`` and its loss
+function divides each microbatch's mean token loss by the microbatch count of the whole
+update (``M × gradient_accumulation_steps``), exactly what one process's gradient
+accumulation backpropagates; gradients then sum over microbatches and are not averaged
+a second time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from k3_qkclip import QKClipPolicy
+
+    from .distributed import Parallel
+    from .models import PipelineHooks
+
+ONE_F_ONE_B = ("1f1b", "interleaved-1f1b")
+
+
+def microbatches(config: TrainConfig) -> int:
+    """The microbatches a batch is cut into (``pp_microbatches``, default the stage count)."""
+    return config.pp_microbatches or config.pipeline_parallel * config.pp_stages_per_rank
+
+
+def check_layout(config: TrainConfig, mode: str, world_size: int, n_layers: int | None
+                 ) -> None:
+    """Refuse, with one line each, a pipeline layout that cannot work, before any process
+    group is created (``n_layers`` None: the model declares no decoder blocks)."""
+    stages, per_rank = config.pipeline_parallel, config.pp_stages_per_rank
+    if stages == 1:
+        if per_rank != 1 or config.pp_microbatches is not None:
+            raise ConfigError("--pp-stages-per-rank and --pp-microbatches need "
+                              "--pipeline-parallel 2 or more")
+        return
+    if mode != "fsdp":
+        raise ConfigError(f"--pipeline-parallel {stages} needs --parallel fsdp (FSDP2 shards "
+                          "each stage over the data ranks; DDP is not supported with stages)")
+    if world_size % stages:
+        raise ConfigError(f"--pipeline-parallel {stages}: the world size {world_size} is not "
+                          f"a multiple of it (world = pp × dp); launch {stages}·k processes")
+    if config.expert_parallel > 1:
+        raise ConfigError("--pipeline-parallel with --expert-parallel is not supported yet; "
+                          "drop one of them")
+    if config.pp_schedule == "interleaved-1f1b" and per_rank < 2:
+        raise ConfigError("--pp-schedule interleaved-1f1b needs --pp-stages-per-rank 2 or more")
+    if config.pp_schedule != "interleaved-1f1b" and per_rank != 1:
+        raise ConfigError(f"--pp-stages-per-rank {per_rank} needs --pp-schedule "
+                          "interleaved-1f1b")
+    total = stages * per_rank
+    if n_layers is None or n_layers < total:
+        raise ConfigError(f"--pipeline-parallel {stages} × --pp-stages-per-rank {per_rank} = "
+                          f"{total} stages, but the model has {n_layers or 0} decoder blocks; "
+                          "use fewer stages")
+    count = microbatches(config)
+    if config.pp_schedule in ONE_F_ONE_B and count < stages:
+        raise ConfigError(f"--pp-microbatches {count} is fewer than the {stages} stages, "
+                          f"which --pp-schedule {config.pp_schedule} needs; raise it")
+    if config.batch_size % count:
+        raise ConfigError(f"--batch-size {config.batch_size} is not divisible into "
+                          f"--pp-microbatches {count}; make it a multiple")
+
+
+def stage_ranges(n_layers: int, stages: int) -> list[range]:
+    """Contiguous, balanced layer ranges, one per stage."""
+    base, extra = divmod(n_layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        stop = start + base + (1 if stage < extra else 0)
+        ranges.append(range(start, stop))
+        start = stop
+    return ranges
+
+
+class Pipeline:
+    """This rank's stages of ``model`` (cut in place when built) and the schedule that
+    runs them (built by :meth:`start`, once the model is sharded).
+
+    :meth:`train` runs one batch's microbatches forward and backward (the gradients
+    accumulate in the parameters, each microbatch's loss divided by ``scale``);
+    :meth:`evaluate` forward only. Both return this rank's sum of the microbatches'
+    losses (zero on a rank without the last stage)."""
+
+    def __init__(self, model: nn.Module, hooks: PipelineHooks, parallel: Parallel,
+                 config: TrainConfig) -> None:
+        self.parallel, self.config, self.hooks = parallel, config, hooks
+        self.count = microbatches(config)
+        pp = parallel.pipeline
+        self.total = total = pp * config.pp_stages_per_rank
+        ranges = stage_ranges(hooks.n_layers(model), total)
+        self.indices = [s for s in range(total) if s % pp == parallel.pipeline_rank]
+        held = [index for s in self.indices for index in ranges[s]]
+        order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        self.qk_geometry = _whole_geometry(model, config)
+        """The whole model's QK-Clip geometry (None: QK-Clip refuses the model), which the
+        run's metadata records whatever the cut, so a checkpoint is portable."""
+        hooks.keep(model, held, first=0 in self.indices, last=total - 1 in self.indices)
+        self.modules = [hooks.stage(model, ranges[s], first=s == 0, last=s == total - 1)
+                        for s in self.indices]
+        """Each stage's forward module, in stage order (what FSDP2 shards as a root)."""
+        self.has_last = total - 1 in self.indices
+        self.slots = ([order[name] for name, _ in model.named_parameters()], len(order))
+        """Each kept parameter's index among the whole model's (``model.parameters()``
+        order) and their count: :func:`~k3_trainer.distributed.clip_grad_norm` lays the
+        stages' norms out as one process would."""
+        self._scale = 1.0
+        self._scale_loss: Callable[[Tensor], Tensor] = _same
+        self._values: list[Tensor] = []
+        self.schedule: Any = None
+
+    def start(self) -> None:
+        """Build the ``PipelineStage``s and the schedule (after sharding and compile)."""
+        from torch.distributed import pipelining
+
+        parallel, config, hooks = self.parallel, self.config, self.hooks
+        rows = config.batch_size // self.count
+        stages: list[Any] = []
+        for module, s in zip(self.modules, self.indices, strict=True):
+            inputs, outputs = module.example_io(rows, config.seq_len)  # type: ignore[operator]
+            stages.append(pipelining.PipelineStage(
+                module, s, self.total, parallel.device, group=parallel.pipeline_group,
+                input_args=inputs, output_args=outputs))
+        last_module = self.modules[-1]
+
+        def loss_fn(output: Tensor, targets: Tensor) -> Tensor:
+            loss = hooks.loss(last_module, output, targets) / self._scale
+            self._values.append(loss.detach().float())
+            return self._scale_loss(loss)
+
+        if config.pp_schedule == "interleaved-1f1b":
+            self.schedule = pipelining.ScheduleInterleaved1F1B(
+                stages, self.count, loss_fn=loss_fn, scale_grads=False)
+        else:
+            kind = (pipelining.ScheduleGPipe if config.pp_schedule == "gpipe"
+                    else pipelining.Schedule1F1B)
+            self.schedule = kind(stages[0], self.count, loss_fn=loss_fn, scale_grads=False)
+
+    def train(self, x: Tensor, y: Tensor, scale: int,
+              scale_loss: Callable[[Tensor], Tensor] | None = None, **kwargs: Tensor) -> Tensor:
+        """Forward and backward of the batch ``(x, y)`` in microbatches, each one's mean
+        token loss divided by ``scale`` (the update's microbatch count) and passed through
+        ``scale_loss`` (the FP16 loss scale) before its backward. Returns the sum of the
+        divided losses (unscaled) on the last stage, zero elsewhere."""
+        self._scale, self._scale_loss, self._values = float(scale), scale_loss or _same, []
+        self.schedule.step(x, target=y, return_outputs=False, **kwargs)
+        return self._sum()
+
+    @torch.no_grad()
+    def evaluate(self, x: Tensor, y: Tensor, **kwargs: Tensor) -> Tensor:
+        """The batch's mean token loss (the microbatches' mean) on the last stage, forward
+        only; zero elsewhere."""
+        self._scale, self._scale_loss, self._values = float(self.count), _same, []
+        self.schedule.eval(x, target=y, **kwargs)
+        return self._sum()
+
+    def _sum(self) -> Tensor:
+        if not self.has_last:
+            return torch.zeros((), device=self.parallel.device)
+        return torch.stack(self._values).sum()
+
+
+def _whole_geometry(model: nn.Module, config: TrainConfig) -> dict[str, Any] | None:
+    from k3_qkclip import QKClip
+
+    from .checkpoint.compatibility import qk_clip_policy
+
+    try:
+        geometry: dict[str, Any] = QKClip(model, qk_clip_policy(config)).geometry()
+    except ValueError:
+        return None
+    return geometry
+
+
+def stage_qk_policy(model: nn.Module, policy: QKClipPolicy) -> QKClipPolicy:
+    """QK-Clip's policy for one stage's cut model: the run's, or off on a stage that holds
+    no MLA layer (nothing to observe or rescale there; the stages holding one clip)."""
+    from k3_qkclip import QKClip
+
+    try:
+        QKClip(model, policy)
+    except ValueError:
+        return dataclasses.replace(policy, enabled=False)
+    return policy
+
+
+def _same(loss: Tensor) -> Tensor:
+    return loss
+
+
+class PipelineEvaluation(nn.Module):
+    """The pipeline as ``evaluate_split`` calls a model: ``(None, loss)``, forward only
+    through the stages (the loss is the last stage's, zero on other ranks: sum it over
+    the world, the token counts over the data ranks). ``train``/``eval`` switch the
+    rank's model too, so validation never updates the balancer."""
+
+    def __init__(self, pipeline: Pipeline, model: nn.Module) -> None:
+        super().__init__()
+        self.pipeline, self.held = pipeline, [model]
+        self.training = model.training
+
+    def train(self, mode: bool = True) -> PipelineEvaluation:
+        self.training = mode
+        self.held[0].train(mode)
+        return self
+
+    def forward(self, x: Tensor, targets: Tensor, document_ids: Tensor | None = None
+                ) -> tuple[None, Tensor]:
+        kwargs = {} if document_ids is None else {"document_ids": document_ids}
+        return None, self.pipeline.evaluate(x, targets, **kwargs)

@@ -1,0 +1,114 @@
+"""A run at ``--pipeline-parallel 2`` (2 CPU processes, torchrun, gloo) resumes bitwise at
+PP 2, and its sharded checkpoint, saved under the whole model's parameter names, loads
+whole into one process: ``eval`` scores it as the run logged, ``export`` writes every
+parameter equal to the checkpoint's, and that folder starts a one-process run
+(``--init-from``). Deselect with ``-m 'not distributed'``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from harness import assert_bitwise_equal, k3_train, toml_text
+from test_distributed_checkpoints import _final_state, _torchrun
+from test_distributed_training import distributed, needs_torchrun, one_launch_at_a_time
+
+from k3_trainer import read_events
+
+pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
+STEPS = 4
+
+
+def _torchrun4(*args: object) -> None:
+    from test_distributed_training import TORCHRUN, _run
+
+    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", 4, *args], timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _cli(data_dir: Path, config: Path, run_dir: Path, *extra: object) -> list[object]:
+    return ["-m", "k3_trainer.cli", "train", "--parallel", "fsdp", "--pp", 2, "--data",
+            data_dir, "--config", config, "--device", "cpu", "--decay-steps", STEPS,
+            "--run-dir", run_dir, *extra]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "small.toml"
+    path.write_text(toml_text(train={"batch_size": 4, "checkpoint_interval": 2}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def continuous(tmp_path_factory, data_dir, config) -> Path:
+    run_dir = tmp_path_factory.mktemp("pp") / "continuous"
+    _torchrun(*_cli(data_dir, config, run_dir, "--max-steps", STEPS))
+    return run_dir
+
+
+def test_a_pipeline_run_resumes_bitwise(continuous, data_dir, config, tmp_path):
+    run_dir = tmp_path / "interrupted"
+    _torchrun(*_cli(data_dir, config, run_dir, "--max-steps", 2))
+    _torchrun(*_cli(data_dir, config, run_dir, "--max-steps", STEPS, "--resume"))
+    a, b = _final_state(continuous, tmp_path), _final_state(run_dir, tmp_path)
+    assert a["data_parallel"] == {"mode": "fsdp", "world_size": 2, "pp": 2, "dp": 1}
+    assert a["counters"]["step"] == STEPS
+    assert_bitwise_equal(a, b)
+
+
+def test_a_pipeline_checkpoint_loads_whole_into_one_process(continuous, data_dir, tmp_path):
+    gathered = _final_state(continuous, tmp_path)["model"]
+    assert any(name.startswith("embed.") for name in gathered)  # stage 0's
+    assert any(name.startswith("lm_head.") for name in gathered)  # stage 1's
+    logged = [e for e in read_events(continuous / "metrics.jsonl") if e["event"] == "eval"][-1]
+    evaluated = k3_train("eval", "--run-dir", continuous, "--device", "cpu")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    val_loss = float(evaluated.stdout.split("val_loss ")[1].split(",")[0].split()[0])
+    # eval reads its own batches (8 rows, the run's evaluations 4): close, not equal.
+    assert val_loss == pytest.approx(logged["val_loss"], rel=0.02)
+    out = tmp_path / "export"
+    exported = k3_train("export", "--run-dir", continuous, "--out", out)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    from k3_model.hub import load_pretrained
+
+    model = load_pretrained(out)  # the exported (renamed) weights, back under our names
+    parameters = dict(model.named_parameters())
+    assert set(parameters) <= set(gathered)
+    for name, value in parameters.items():
+        assert torch.equal(value.detach(), gathered[name]), name
+    assert json.loads((out / "config.json").read_text())
+    started = k3_train("train", "--data", data_dir, "--device", "cpu", "--max-steps", 1,
+                       "--run-dir", tmp_path / "continued", "--init-from", out)
+    assert started.returncode == 0, started.stderr[-3000:]
+
+
+def test_a_pipeline_run_sharded_over_data_ranks_resumes_bitwise(data_dir, config, tmp_path):
+    """PP 2 × FSDP2 2 (4 processes): each stage's shards and optimizer state, resumed."""
+    continuous, interrupted = tmp_path / "continuous", tmp_path / "interrupted"
+    _torchrun4(*_cli(data_dir, config, continuous, "--max-steps", STEPS))
+    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", 2))
+    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", STEPS, "--resume"))
+    a, b = _final_state(continuous, tmp_path), _final_state(interrupted, tmp_path)
+    assert a["data_parallel"] == {"mode": "fsdp", "world_size": 4, "pp": 2, "dp": 2}
+    assert_bitwise_equal(a, b)
+
+
+def test_activation_checkpointing_under_stages_changes_nothing(continuous, data_dir, config,
+                                                               tmp_path):
+    """``--activation-checkpointing block`` recomputes each stage's blocks in its backward:
+    every logged loss, gradient norm and validation loss is the same bits."""
+    run_dir = tmp_path / "checkpointed"
+    _torchrun(*_cli(data_dir, config, run_dir, "--max-steps", STEPS,
+                    "--activation-checkpointing", "block"))
+
+    def logged(run: Path) -> list[tuple]:
+        return [(e["event"], e["step"], e.get("loss"), e.get("grad_norm"), e.get("val_loss"))
+                for e in read_events(run / "metrics.jsonl") if e["event"] in ("train", "eval")]
+
+    assert logged(run_dir) == logged(continuous)
+    assert any(event == "eval" for event, *_ in logged(run_dir))
+    started = [e for e in read_events(run_dir / "metrics.jsonl")
+               if e["event"] == "session_start"]
+    assert started[0]["activation_checkpointing"] == "block"

@@ -1,0 +1,123 @@
+"""Pipeline stages (``--pipeline-parallel 2``) on 2 CPU processes (torchrun, gloo), and on
+4 with FSDP2 over 2 data ranks per stage, against
+one process that accumulates the same microbatches (tests/pipeline_worker.py), and the
+layouts refused before any process group. Deselect with ``-m 'not distributed'``.
+
+What must hold: the loss at every step equal to one process's within 1e-6 relative; the
+gradient norm and every parameter after the first update bitwise equal (the stages'
+gradients are the one process's, and clipping lays the stages' norms out in its order);
+every parameter after three updates within 2e-5 relative, 1e-6 over the whole model
+(a later step's embedding gradient sums the stages' contributions in another order, which
+a few small AdamW parameters of KDA amplify; see the k3-trainer README).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import assert_one_line_error, k3_train, subprocess_env
+from test_distributed_training import (
+    TORCHRUN,
+    _run,
+    distributed,
+    needs_torchrun,
+    one_launch_at_a_time,
+)
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "pipeline_worker.py"
+STEPS = 3
+
+pytestmark = [one_launch_at_a_time, distributed]
+
+
+def _reference(out: Path, microbatches: int, data_ranks: int = 1) -> dict:
+    done = subprocess.run([sys.executable, str(WORKER), "--reference", "--out", str(out),
+                           "--steps", str(STEPS), "--microbatches", str(microbatches),
+                           "--data-ranks", str(data_ranks)],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out / "rank0.pt", weights_only=False)
+
+
+def _pipelined(out: Path, *args: object, processes: int = 2) -> list[dict]:
+    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", processes, WORKER, "--out",
+                   out, "--steps", STEPS, *args], timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[int, dict]:
+    root = tmp_path_factory.mktemp("reference")
+    return {m: _reference(root / str(m), m) for m in (2, 4)}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30))
+
+
+@needs_torchrun
+@pytest.mark.parametrize(("schedule", "per_rank", "microbatches"), [
+    ("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved-1f1b", 2, 4)])
+def test_two_stages_match_one_process(schedule, per_rank, microbatches, references,
+                                      tmp_path):
+    reference = references[microbatches]
+    ranks = _pipelined(tmp_path, "--schedule", schedule, "--stages-per-rank", per_rank,
+                       "--microbatches", microbatches)
+    # Both stages report the (summed) loss and the norm of the whole model's gradients.
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["norms"] == ranks[1]["norms"]
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+    assert ranks[0]["norms"][0] == reference["norms"][0]
+    held = [set(rank["state"]) for rank in ranks]
+    assert not held[0] & held[1]  # each parameter and buffer lives on one stage
+    assert held[0] | held[1] == set(reference["state"])  # under its one-process name
+    first = {**ranks[0]["first"], **ranks[1]["first"]}
+    for name, tensor in reference["first"].items():
+        assert torch.equal(first[name], tensor), name
+    last = {**ranks[0]["state"], **ranks[1]["state"]}
+    worst = max(_relative(tensor, last[name]) for name, tensor in reference["state"].items())
+    assert worst < 2e-5
+    names = sorted(reference["state"])
+    whole = torch.cat([reference["state"][n].double().flatten() for n in names])
+    ours = torch.cat([last[n].double().flatten() for n in names])
+    assert _relative(whole, ours) < 1e-6
+
+
+@needs_torchrun
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--pp", 2), "--pipeline-parallel 2 needs --parallel fsdp"),
+    (("--pp", 2, "--parallel", "fsdp"), "the world size 1 is not a multiple of it"),
+])
+def test_an_impossible_pipeline_layout_is_refused_in_one_line(flags, message, tmp_path,
+                                                               data_dir):
+    run_dir = tmp_path / "run"
+    result = k3_train("train", "--data", data_dir, "--device", "cpu", "--max-steps", 1,
+                      "--run-dir", run_dir, *flags)
+    assert_one_line_error(result, message, code=2)
+    assert not run_dir.exists()
+
+
+@needs_torchrun
+def test_two_stages_sharded_over_two_data_ranks_match_one_process(tmp_path):
+    """PP 2 × FSDP2 2 on 4 processes: each stage's parameters sharded over its data ranks,
+    the balancer gathering both data ranks' rows (the reference composes each microbatch
+    of both ranks' rows in rank order, as that gather does). FSDP2's reduce-scatter sums
+    in another order than one process, so nothing is bitwise here."""
+    reference = _reference(tmp_path / "reference", 2, data_ranks=2)
+    ranks = _pipelined(tmp_path / "pp", processes=4)
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+    assert ranks[0]["norms"] == pytest.approx(reference["norms"], rel=1e-6)
+    last = {**ranks[0]["state"], **ranks[1]["state"]}
+    assert set(last) == set(reference["state"])
+    worst = max(_relative(tensor, last[name]) for name, tensor in reference["state"].items())
+    assert worst < 1e-3
+    names = sorted(reference["state"])
+    whole = torch.cat([reference["state"][n].double().flatten() for n in names])
+    ours = torch.cat([last[n].double().flatten() for n in names])
+    assert _relative(whole, ours) < 1e-6
