@@ -72,7 +72,8 @@ def _add_config_groups(train: argparse.ArgumentParser, spec: ModelSpec) -> None:
     add_config_flags(train.add_argument_group(
         "training recipe (TrainConfig)",
         "Each flag overrides the config file's [train] value and, on resume, the run's "
-        "recorded value."), TrainConfig, dest_prefix=TRAIN_FLAG)
+        "recorded value."), TrainConfig, dest_prefix=TRAIN_FLAG,
+        aliases={"context_parallel": "--cp"})
     try:
         add_config_flags(train.add_argument_group(
             f"model shape ({spec.config_class.__name__}, model {spec.name})",

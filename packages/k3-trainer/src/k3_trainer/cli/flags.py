@@ -77,30 +77,35 @@ def shown(value: Any) -> str:
 
 
 def add_config_flags(group: Any, cls: type, *, dest_prefix: str,
-                     default_note: Callable[[str, Any], str] | None = None) -> None:
+                     default_note: Callable[[str, Any], str] | None = None,
+                     aliases: Mapping[str, str] | None = None) -> None:
     """Add one flag per field of the dataclass ``cls`` to ``group`` (a parser or an
     argument group). The value lands in ``dest_prefix + field name``; ``default_note``
-    words a field's default for its help line (default: ``default: <value>``)."""
+    words a field's default for its help line (default: ``default: <value>``);
+    ``aliases`` gives a field a second, shorter flag (``{"context_parallel": "--cp"}``)."""
     hints, docs = get_type_hints(cls), field_docs(cls)
     for item in dataclasses.fields(cls):
         kind, _optional = _parts(hints[item.name])
         default = (f"default: {shown(item.default)}" if default_note is None
                    else default_note(item.name, item.default))
         doc = docs.get(item.name, "")
-        flag, dest = "--" + item.name.replace("_", "-"), dest_prefix + item.name
+        dest = dest_prefix + item.name
+        alias = (aliases or {}).get(item.name)
+        flags = ("--" + item.name.replace("_", "-"), *(() if alias is None else (alias,)))
         help_line = f"{doc.rstrip('.')} ({default})" if doc else f"({default})"
         if kind is bool:
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+            group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,
                                default=None, help=help_line)
         elif get_origin(kind) is Literal:
-            group.add_argument(flag, dest=dest, choices=get_args(kind), default=None,
+            group.add_argument(*flags, dest=dest, choices=get_args(kind), default=None,
                                help=help_line)
         elif kind in (int, float):
             word = "an integer" if kind is int else "a number"
-            group.add_argument(flag, dest=dest, type=_number(kind, word), default=None,
+            group.add_argument(*flags, dest=dest, type=_number(kind, word), default=None,
                                metavar="N" if kind is int else "X", help=help_line)
         else:
-            group.add_argument(flag, dest=dest, default=None, metavar="TEXT", help=help_line)
+            group.add_argument(*flags, dest=dest, default=None, metavar="TEXT",
+                               help=help_line)
 
 
 def given(namespace: argparse.Namespace, dest_prefix: str) -> dict[str, Any]:
