@@ -5,9 +5,10 @@ The model (KDA + MLA, a quantile-balanced MoE, Attention Residuals) trains with 
 kept apart on a corpus of short documents, so documents cross the slices' boundaries, and
 with a QK-Clip threshold below its logits, so heads are rescaled every step from the MAX
 over every rank's queries. Rows of 48 tokens split into slices of 24 (not a multiple of
-the KDA chunk of 16). CP 2 × FSDP 2 (4 processes, 2 data ranks) and CP 2 alone (2
-processes) each match one process on the same global batch: losses, validation losses and
-weights within 1e-6 (fp32; only reduction orders differ). A CP run resumes bitwise and
+the KDA chunk of 16). CP 2 × FSDP 2 (4 processes, 2 data ranks), CP 2 alone and CP 2
+with the experts split over the same 2 ranks (2 processes) each match one process on the
+same global batch: losses, validation losses and weights within 1e-6 (fp32; only
+reduction orders differ). A CP run resumes bitwise and
 one process evaluates its checkpoint; what cannot run is refused in one line before any
 process group. Deselect with ``-m 'not distributed'``.
 """
@@ -41,8 +42,10 @@ MODEL = {**NARROW_TINY_OVERRIDES, "kda_chunk_size": 16, "max_seq_len": 64}
 TRAIN = {"seq_len": SEQ, "document_masking": True, "qk_clip_tau": TAU, "log_interval": 1,
          "eval_interval": STEPS, "eval_batches": 2, "checkpoint_interval": 1,
          "peak_lr": 3e-3}
-LAYOUTS = {"cp2-fsdp2": (4, 2), "cp2": (2, 2)}
-"""``{name: (processes, context-parallel degree)}``."""
+LAYOUTS = {"cp2-fsdp2": (4, 2, ()), "cp2": (2, 2, ()),
+           "cp2-ep2": (2, 2, ("--expert-parallel", 2))}
+"""``{name: (processes, context-parallel degree, other flags)}``: CP 2 × FSDP 2, CP 2
+alone, and CP 2 with each MoE layer's experts split over the same 2 ranks."""
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +74,9 @@ def _train(run_dir: Path, data: Path, config: Path, processes: int, cp: int,
 def runs(tmp_path_factory, code_dir, config) -> dict[str, Path]:
     """``{layout: run_dir}`` of uninterrupted runs, one process's included."""
     out = {}
-    for name, (processes, cp) in {"one": (1, 1), **LAYOUTS}.items():
+    for name, (processes, cp, extra) in {"one": (1, 1, ()), **LAYOUTS}.items():
         out[name] = tmp_path_factory.mktemp(name) / "run"
-        _train(out[name], code_dir, config, processes, cp, "--max-steps", STEPS)
+        _train(out[name], code_dir, config, processes, cp, "--max-steps", STEPS, *extra)
     return out
 
 
@@ -98,9 +101,10 @@ def test_context_parallel_training_matches_one_process(layout, runs, tmp_path):
     assert val["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6)
     assert val["val_tokens"] == reference["val_tokens"]
     state, alone = _final_state(runs[layout], tmp_path), _final_state(runs["one"], tmp_path)
-    processes, cp = LAYOUTS[layout]
+    processes, cp, extra = LAYOUTS[layout]
     assert state["data_parallel"] == {"mode": "fsdp", "world_size": processes, "cp": cp,
-                                      "dp": processes // cp}
+                                      "dp": processes // cp,
+                                      **({"expert_parallel": 2} if extra else {})}
     assert state["model"].keys() == alone["model"].keys()
     # Every weight, buffer (the balancer's biases, solved from every slice's tokens) and
     # counter within 1e-6 of one process's, relative or absolute (the weights are O(0.01)
@@ -114,7 +118,7 @@ def test_context_parallel_training_matches_one_process(layout, runs, tmp_path):
 def test_a_context_parallel_run_resumes_bitwise_and_loads_into_one_process(
         runs, config, code_dir, tmp_path):
     run_dir = tmp_path / "resumed"
-    processes, cp = LAYOUTS["cp2"]
+    processes, cp, _ = LAYOUTS["cp2"]
     _train(run_dir, code_dir, config, processes, cp, "--max-steps", 2)
     _train(run_dir, code_dir, config, processes, cp, "--max-steps", STEPS, "--resume")
     assert_bitwise_equal(_final_state(runs["cp2"], tmp_path), _final_state(run_dir, tmp_path))
