@@ -15,6 +15,7 @@ process group. Deselect with ``-m 'not distributed'``.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,11 @@ MODEL = {**NARROW_TINY_OVERRIDES, "kda_chunk_size": 16, "max_seq_len": 64}
 TRAIN = {"seq_len": SEQ, "document_masking": True, "qk_clip_tau": TAU, "log_interval": 1,
          "eval_interval": STEPS, "eval_batches": 2, "checkpoint_interval": 1,
          "peak_lr": 3e-3}
-LAYOUTS = {"cp2-fsdp2": (4, 2, ()), "cp2": (2, 2, ()),
+LAYOUTS = {"cp2-fsdp2": (4, 2, ("--activation-checkpointing", "block")), "cp2": (2, 2, ()),
            "cp2-ep2": (2, 2, ("--expert-parallel", 2))}
-"""``{name: (processes, context-parallel degree, other flags)}``: CP 2 × FSDP 2, CP 2
-alone, and CP 2 with each MoE layer's experts split over the same 2 ranks."""
+"""``{name: (processes, context-parallel degree, other flags)}``: CP 2 × FSDP 2 (each
+block recomputed in the backward, collectives included), CP 2 alone, and CP 2 with each
+MoE layer's experts split over the same 2 ranks."""
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +57,14 @@ def config(tmp_path_factory) -> Path:
     return path
 
 
-def _train(run_dir: Path, data: Path, config: Path, processes: int, cp: int,
+def _train(run_dir: Path, data: Path | list[str], config: Path, processes: int, cp: int,
            *extra: object) -> None:
     """``k3-train train`` in one process or under torchrun, on the global batch of ROWS
-    rows (each data rank reads ROWS / data ranks of them)."""
-    args = ["train", "--data", data, "--config", config, "--device", "cpu", "--run-dir",
+    rows (each data rank reads ROWS / data ranks of them); ``data`` a folder or the
+    sources of a mixture."""
+    sources = [data] if isinstance(data, Path) else data
+    args = ["train", *[arg for source in sources for arg in ("--data", source)],
+            "--config", config, "--device", "cpu", "--run-dir",
             run_dir, "--decay-steps", STEPS, "--batch-size", ROWS * cp // processes, *extra]
     if processes == 1:
         done = k3_train(*args)
@@ -104,7 +109,8 @@ def test_context_parallel_training_matches_one_process(layout, runs, tmp_path):
     processes, cp, extra = LAYOUTS[layout]
     assert state["data_parallel"] == {"mode": "fsdp", "world_size": processes, "cp": cp,
                                       "dp": processes // cp,
-                                      **({"expert_parallel": 2} if extra else {})}
+                                      **({"expert_parallel": 2} if layout == "cp2-ep2"
+                                         else {})}
     assert state["model"].keys() == alone["model"].keys()
     # Every weight, buffer (the balancer's biases, solved from every slice's tokens) and
     # counter within 1e-6 of one process's, relative or absolute (the weights are O(0.01)
@@ -129,6 +135,29 @@ def test_a_context_parallel_run_resumes_bitwise_and_loads_into_one_process(
     val_loss = float(evaluated.stdout.split("val_loss ")[1].split(",")[0].split()[0])
     assert val_loss == pytest.approx(logged["val_loss"], abs=6e-5)  # printed to 4 decimals
     assert f"({logged['val_tokens']:,} tokens in " in evaluated.stdout
+    # ...and one process continues it: another layout, so only when allowed.
+    alone = tmp_path / "alone"
+    shutil.copytree(runs["cp2"], alone, symlinks=True)
+    args = ["train", "--run-dir", alone, "--resume", "--device", "cpu", "--data", code_dir,
+            "--max-steps", STEPS + 1, "--cp", 1]
+    assert_one_line_error(k3_train(*args), "data_parallel", code=2)
+    continued = k3_train(*args, "--allow-runtime-change")
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    [changed] = _events(alone, "runtime_changed")
+    assert "data_parallel.cp" in changed["changes"]
+    assert [e["step"] for e in _events(alone, "train")][-1] == STEPS + 1
+
+
+def test_a_mixture_s_loss_by_source_matches_one_process(config, code_dir, data_dir, tmp_path):
+    """Each token's loss lives on one rank of a ``cp`` group and is counted once."""
+    sources = [f"code={code_dir}:0.7", f"docs={data_dir}:0.3"]
+    one, ours = tmp_path / "one", tmp_path / "cp2"
+    _train(one, sources, config, 1, 1, "--max-steps", 2)
+    _train(ours, sources, config, 2, 2, "--max-steps", 2)
+    for a, b in zip(_events(ours, "train"), _events(one, "train"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["loss_by_source"].keys() == b["loss_by_source"].keys() == {"code", "docs"}
+        assert a["loss_by_source"] == pytest.approx(b["loss_by_source"], rel=1e-6)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
