@@ -15,6 +15,7 @@ process group. Deselect with ``-m 'not distributed'``.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -69,9 +70,10 @@ def _train(run_dir: Path, data: Path | list[str], config: Path, processes: int, 
     if processes == 1:
         done = k3_train(*args)
     else:
+        # One thread per rank: up to 4 ranks share the machine's cores.
         done = _run([TORCHRUN, "--standalone", "--nproc_per_node", processes,
                      "-m", "k3_trainer.cli", *args, "--parallel", "fsdp", "--cp", cp],
-                    timeout=300)
+                    timeout=300, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
 
 
@@ -111,6 +113,9 @@ def test_context_parallel_training_matches_one_process(layout, runs, tmp_path):
                                       "dp": processes // cp,
                                       **({"expert_parallel": 2} if layout == "cp2-ep2"
                                          else {})}
+    record = json.loads((runs[layout] / "run.json").read_text())
+    assert record["sessions"][-1]["data_parallel"] == state["data_parallel"]
+    assert record["train_config"]["context_parallel"] == cp
     assert state["model"].keys() == alone["model"].keys()
     # Every weight, buffer (the balancer's biases, solved from every slice's tokens) and
     # counter within 1e-6 of one process's, relative or absolute (the weights are O(0.01)
