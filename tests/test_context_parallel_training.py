@@ -140,6 +140,17 @@ def test_a_context_parallel_run_resumes_bitwise_and_loads_into_one_process(
     val_loss = float(evaluated.stdout.split("val_loss ")[1].split(",")[0].split()[0])
     assert val_loss == pytest.approx(logged["val_loss"], abs=6e-5)  # printed to 4 decimals
     assert f"({logged['val_tokens']:,} tokens in " in evaluated.stdout
+    # ...exports it, and a fresh one-process run starts from the export.
+    hub = tmp_path / "hub"
+    exported = k3_train("export", "--run-dir", runs["cp2-fsdp2"], "--out", hub)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    fresh = tmp_path / "fresh"
+    started = k3_train("train", "--run-dir", fresh, "--data", code_dir, "--device", "cpu",
+                       "--init-from", hub, "--seq-len", SEQ, "--batch-size", ROWS,
+                       "--max-steps", 1, "--eval-batches", 2)
+    assert started.returncode == 0, started.stderr[-3000:]
+    [first] = _events(fresh, "eval")
+    assert first["val_loss"] < _events(runs["one"], "train")[0]["loss"]  # a smoke check
     # ...and one process continues it: another layout, so only when allowed.
     alone = tmp_path / "alone"
     shutil.copytree(runs["cp2"], alone, symlinks=True)

@@ -9,10 +9,12 @@ then the root) or wraps it in ``DistributedDataParallel``. ``--parallel none`` n
 touches ``torch.distributed``: the one-process path stays exactly as it was.
 
 The layout is a device mesh (``torch.distributed.device_mesh``) with named dimensions
-``pp`` (pipeline stages, :mod:`k3_trainer.pipeline`) and ``dp`` (data ranks, from which
-experts are carved): :class:`Parallel` owns each dimension's process group and every
-collective says which one it means (a stage's own tensors meet over ``dp`` only; what
-every rank must agree on, over the world). Without pipeline stages ``dp`` is the world.
+``pp`` (pipeline stages, :mod:`k3_trainer.pipeline`), ``dp`` (data ranks, from which
+experts are carved) and ``cp`` (context-parallel ranks, which read the same rows and
+each hold a slice of them, :mod:`k3_trainer.context`): :class:`Parallel` owns each
+dimension's process group and every collective says which one it means (a stage's own
+tensors meet over ``dp × cp``, its ``shard_group``; what every rank must agree on, over
+the world). Without pipeline or context parallelism ``dp`` is the world.
 
 Expert parallelism (``--expert-parallel N``, FSDP2 only) is set up here too, through the
 model's own hooks (:class:`~k3_trainer.models.ExpertParallel` of its spec):
