@@ -74,6 +74,9 @@ class Parallel:
         """The ranks holding this stage's layers, over which FSDP2 shards them (dp × cp):
         the world without pipeline stages (None), else ``dp`` (stages refuse ``cp``)."""
         self.pipeline_rank, self.data_rank, self.context_rank = 0, self.rank, 0
+        if pipeline > 1 and context > 1:
+            raise ConfigError("--context-parallel with --pipeline-parallel is not supported "
+                              "yet; drop one of them")
         if pipeline > 1 or context > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
