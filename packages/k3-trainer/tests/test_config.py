@@ -15,6 +15,7 @@ BAD_VALUES = {
     "pp_schedule": ["zbv", 1],
     "pp_microbatches": [0, 1.5, "8"],
     "pp_stages_per_rank": [0, 1.5, True],
+    "context_parallel": [0, -2, 1.5, True],
     "peak_lr": [0.0, -1e-3, float("nan"), float("inf"), "1e-3"],
     "weight_decay": [-0.1, float("nan")],
     "adam_beta1": [1.0, -0.1],

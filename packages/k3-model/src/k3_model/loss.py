@@ -120,7 +120,7 @@ def chunked_cross_entropy(
         tokens: Tensor = _ChunkedCrossEntropy.apply(  # type: ignore[no-untyped-call]
             hidden.flatten(0, -2), weight, targets.flatten(), chunk_size, dtype
         )
-        if reduction == "none":
-            return tokens.view(targets.shape)
+        if reduction == "none":  # a copy, not a view (FSDP2 warns of views it returns)
+            return tokens.view(targets.shape).clone()
         loss: Tensor = tokens.sum() / (targets != IGNORE_INDEX).sum()
     return loss

@@ -262,7 +262,8 @@ class K3Model(nn.Module):
         logits: Tensor = self.lm_head(h)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                reduction=reduction)
-        return logits, loss.view(targets.shape) if reduction == "none" else loss
+        # A copy, not a view: FSDP2 warns of a view among a root module's outputs.
+        return logits, loss.view(targets.shape).clone() if reduction == "none" else loss
 
     def _rope(self, t: int, documents: Documents | None, device: torch.device
               ) -> tuple[Tensor, Tensor] | None:

@@ -162,6 +162,9 @@ class TrainConfig:
     """Microbatches each batch is cut into under pipeline stages (default: the stage count)."""
     pp_stages_per_rank: int = 1
     """Virtual stages per rank (interleaved-1f1b: 2 or more)."""
+    context_parallel: int = later(1)
+    """Context-parallel degree N (--parallel fsdp; alias --cp): each row's seq_len tokens
+    split into N contiguous slices over N ranks that read the same rows."""
     # reproducibility and debugging
     seed: int = 1337
     """Seed of the model's initialization and of every random number generator."""
@@ -181,7 +184,7 @@ class TrainConfig:
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "muon_ns_steps",
                      "max_steps", "log_interval", "eval_interval", "checkpoint_interval",
                      "decay_steps", "expert_parallel", "pipeline_parallel",
-                     "pp_stages_per_rank", "eval_tokens", "keep_last",
+                     "pp_stages_per_rank", "context_parallel", "eval_tokens", "keep_last",
                      "downstream_limit"):
             _positive_int(self, name)
         _int(self, "warmup_steps", low=0)

@@ -9,10 +9,12 @@ then the root) or wraps it in ``DistributedDataParallel``. ``--parallel none`` n
 touches ``torch.distributed``: the one-process path stays exactly as it was.
 
 The layout is a device mesh (``torch.distributed.device_mesh``) with named dimensions
-``pp`` (pipeline stages, :mod:`k3_trainer.pipeline`) and ``dp`` (data ranks, from which
-experts are carved): :class:`Parallel` owns each dimension's process group and every
-collective says which one it means (a stage's own tensors meet over ``dp`` only; what
-every rank must agree on, over the world). Without pipeline stages ``dp`` is the world.
+``pp`` (pipeline stages, :mod:`k3_trainer.pipeline`), ``dp`` (data ranks, from which
+experts are carved) and ``cp`` (context-parallel ranks, which read the same rows and
+each hold a slice of them, :mod:`k3_trainer.context`): :class:`Parallel` owns each
+dimension's process group and every collective says which one it means (a stage's own
+tensors meet over ``dp × cp``, its ``shard_group``; what every rank must agree on, over
+the world). Without pipeline or context parallelism ``dp`` is the world.
 
 Expert parallelism (``--expert-parallel N``, FSDP2 only) is set up here too, through the
 model's own hooks (:class:`~k3_trainer.models.ExpertParallel` of its spec):
@@ -49,7 +51,8 @@ class Parallel:
     :meth:`wrap`. Checkpoints, QK-Clip and diagnostics keep using the model itself.
     """
 
-    def __init__(self, mode: str, device: torch.device, pipeline: int = 1) -> None:
+    def __init__(self, mode: str, device: torch.device, pipeline: int = 1,
+                 context: int = 1) -> None:
         self.mode = mode
         self.device = device
         self.rank = dist.get_rank()
@@ -59,21 +62,34 @@ class Parallel:
         self._experts: ExpertParallel | None = None
         self.pipeline = pipeline
         """Pipeline stages (ranks along ``pp``); 1: every rank holds the whole model."""
-        self.data_parallel = self.world_size // pipeline
+        self.context_parallel = context
+        """Context-parallel ranks (along ``cp``): each holds a slice of the same rows."""
+        self.data_parallel = self.world_size // (pipeline * context)
         """Data ranks (along ``dp``): the ranks that read different rows."""
         self.mesh: Any = None
         self.data_group: Any = None  # None: the world (no pipeline), as before
         self.pipeline_group: Any = None
-        self.pipeline_rank, self.data_rank = 0, self.rank
-        if pipeline > 1:
+        self.context_group: Any = None  # None: no context parallelism
+        self.shard_group: Any = None
+        """The ranks holding this stage's layers, over which FSDP2 shards them (dp × cp):
+        the world without pipeline stages (None), else ``dp`` (stages refuse ``cp``)."""
+        self.pipeline_rank, self.data_rank, self.context_rank = 0, self.rank, 0
+        if pipeline > 1 and context > 1:
+            raise ConfigError("--context-parallel with --pipeline-parallel is not supported "
+                              "yet; drop one of them")
+        if pipeline > 1 or context > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.mesh = init_device_mesh(device.type, (pipeline, self.data_parallel),
-                                         mesh_dim_names=("pp", "dp"))
+            self.mesh = init_device_mesh(device.type,
+                                         (pipeline, self.data_parallel, context),
+                                         mesh_dim_names=("pp", "dp", "cp"))
             self.data_group = self.mesh["dp"].get_group()
             self.pipeline_group = self.mesh["pp"].get_group()
             self.pipeline_rank = self.mesh.get_local_rank("pp")
             self.data_rank = self.mesh.get_local_rank("dp")
+            self.context_group = self.mesh["cp"].get_group() if context > 1 else None
+            self.context_rank = self.mesh.get_local_rank("cp")
+            self.shard_group = self.data_group if pipeline > 1 else None
 
     @property
     def is_main(self) -> bool:
@@ -88,6 +104,8 @@ class Parallel:
             layout["expert_parallel"] = self.expert_parallel
         if self.pipeline > 1:
             layout.update(pp=self.pipeline, dp=self.data_parallel)
+        if self.context_parallel > 1:
+            layout.update(cp=self.context_parallel, dp=self.data_parallel)
         return layout
 
     # --- expert parallelism --------------------------------------------------------------
@@ -244,9 +262,10 @@ class Parallel:
         return self._all_reduce(tensor, dist.ReduceOp.MAX)
 
     def data_max_(self, tensor: Tensor) -> Tensor:
-        """MAX over the data ranks of this stage, in place (QK-Clip's per-head logits of
-        the MLA layers this stage holds); returns it."""
-        return self._all_reduce(tensor, dist.ReduceOp.MAX, self.data_group)
+        """MAX over the ranks holding this stage's layers, in place (QK-Clip's per-head
+        logits of the MLA layers this stage holds: each data rank's rows, each
+        context-parallel rank's queries); returns it."""
+        return self._all_reduce(tensor, dist.ReduceOp.MAX, self.shard_group)
 
     def data_sum_(self, tensor: Tensor) -> Tensor:
         """Sum over the data ranks of this stage, in place; returns it."""
@@ -277,9 +296,12 @@ class Parallel:
 
     def gather_rows(self, tensor: Tensor) -> Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 in rank order: the rows one
-        process with the whole global batch would hold (the MoE balancer's tokens)."""
-        parts = [torch.empty_like(tensor) for _ in range(self.data_parallel)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.data_group)
+        process with the whole global batch would hold (the MoE balancer's tokens; under
+        context parallelism every slice's tokens, in another order, which the balancer's
+        sort does not see)."""
+        parts = [torch.empty_like(tensor)
+                 for _ in range(self.data_parallel * self.context_parallel)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.shard_group)
         return torch.cat(parts)
 
     def sync_found_inf(self, scaler: torch.amp.GradScaler,
@@ -357,7 +379,7 @@ def _slotted_norm(parameters: list[nn.Parameter], slots: tuple[list[int], int],
     return whole
 
 
-def init_parallel(mode: str, device: torch.device, pipeline: int = 1
+def init_parallel(mode: str, device: torch.device, pipeline: int = 1, context: int = 1
                   ) -> tuple[Parallel | None, torch.device]:
     """Join torchrun's process group for ``mode`` (``ddp``/``fsdp``); returns the
     :class:`Parallel` and this rank's device (``cuda:LOCAL_RANK`` on CUDA).
@@ -384,7 +406,7 @@ def init_parallel(mode: str, device: torch.device, pipeline: int = 1
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
-    return Parallel(mode, device, pipeline), device
+    return Parallel(mode, device, pipeline, context), device
 
 
 def shutdown(parallel: Parallel | None, *, clean: bool = True) -> None:

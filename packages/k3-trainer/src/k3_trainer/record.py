@@ -134,6 +134,8 @@ class DataParallel:
     expert_parallel: int | None = None
     pp: int | None = None
     """Pipeline stages (None: one, as every record before pipelines)."""
+    cp: int | None = None
+    """Context-parallel ranks per row (None: one, as every record before it)."""
 
     @classmethod
     def from_json(cls, raw: Any) -> DataParallel | None:
@@ -141,14 +143,22 @@ class DataParallel:
             return None
         size = _int(raw.get("world_size"))
         return cls(_str(raw.get("mode")), size if size is not None and size > 0 else None,
-                   _int(raw.get("expert_parallel")), _int(raw.get("pp")))
+                   _int(raw.get("expert_parallel")), _int(raw.get("pp")), _int(raw.get("cp")))
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read different rows: the world over pipeline and context ranks
+        (1 when not recorded)."""
+        ranks = (self.world_size or 1) // ((self.pp or 1) * (self.cp or 1))
+        return max(ranks, 1)
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.mode, "world_size": self.world_size,
                 **({} if self.expert_parallel is None
                    else {"expert_parallel": self.expert_parallel}),
-                **({} if self.pp is None else {"pp": self.pp, "dp": (self.world_size or 0)
-                                               // self.pp})}
+                **({} if self.pp is None else {"pp": self.pp}),
+                **({} if self.cp is None else {"cp": self.cp}),
+                **({} if self.pp is None and self.cp is None else {"dp": self.data_ranks})}
 
 
 @dataclass(frozen=True)

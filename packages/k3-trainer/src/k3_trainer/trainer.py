@@ -40,6 +40,7 @@ from .checkpoint.components import CALLBACKS, COUNTERS, GRAD_SCALER, LOADERS, MO
 from .checkpoint.saves import WRITE_FAILED, Saves
 from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
+from .context import ContextSlices
 from .contract import ModelContract, check_model, check_takes_documents, takes_reduction
 from .data import BatchLoader, DataExhausted, check_vocab_fits
 from .data.documents import document_boundary, document_ids
@@ -104,7 +105,13 @@ class Trainer:
     Data parallel: the logged loss and the finite-loss check use the mean over ranks,
     tokens count every rank, QK-Clip maxima and FP16 found-inf are reduced over ranks, and
     the checkpoint is written by rank 0 (DDP) or by every rank's shards (FSDP2). The
-    loaders must read this rank's rows.
+    loaders must read this rank's rows (its data rank's: the ranks of a context-parallel
+    group read the same rows).
+
+    Context parallel (``parallel.context_parallel > 1``, :mod:`k3_trainer.context`): the
+    model must already run on slices over ``parallel.context_group`` (its spec's
+    ``context_parallel.set_group``); the trainer gives it this rank's slice of every row
+    and validates under the same layout.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -128,6 +135,12 @@ class Trainer:
         if vocab is not None:
             check_vocab_fits(self.loaders.train, vocab)
         self.forward = parallel.module if parallel is not None and parallel.module else model
+        self.slices: ContextSlices | None = None
+        """This rank's slice of the rows under context parallelism (None: whole rows)."""
+        if parallel is not None and parallel.context_parallel > 1:
+            self.slices = ContextSlices(self.forward, parallel.context_rank,
+                                        parallel.context_parallel)
+            self.forward = self.slices
         self._document_boundary: int | None = None
         """The end-of-document id when documents are kept apart (``document_masking``)."""
         if config.document_masking:
@@ -374,6 +387,8 @@ class Trainer:
                 value = loss.item() if self.parallel is None else self._mean_loss(loss)
             if not math.isfinite(value):
                 raise FloatingPointError(f"Non-finite training loss at step {step}")
+            if self.slices is not None:  # the shares' gradients sum over cp (see .context)
+                loss = loss * self.slices.gradient_scale
             with profiler.region("train/backward"):
                 scaler.scale(loss / config.gradient_accumulation_steps).backward()  # type: ignore[no-untyped-call]
             loss_sum += value / config.gradient_accumulation_steps
@@ -451,7 +466,8 @@ class Trainer:
             return loss  # type: ignore[no-any-return]
         _, token_losses = self.forward(x, targets=y, reduction="none", **documents)
         sources = self.loaders.train.row_sources()  # type: ignore[attr-defined]
-        self.by_source.add(token_losses, y, sources.to(self.device, non_blocking=True))
+        scored = y if self.slices is None else self.slices.mine(y)  # each token counted once
+        self.by_source.add(token_losses, scored, sources.to(self.device, non_blocking=True))
         return token_losses.sum() / y.numel()  # type: ignore[no-any-return]
 
     def _skipped(self, attempt: _Attempt, consecutive: int) -> None:
@@ -509,12 +525,15 @@ class Trainer:
         with self.profiler.region("eval"):
             evaluated = self.model if self.pipeline is None else PipelineEvaluation(
                 self.pipeline, self.model)
+            if self.slices is not None:
+                evaluated = self.slices
             result = evaluate_split(
                 evaluated, self.loaders.val, self.device,
                 self.config.validation_batches(self.loaders.val.tokens_per_batch),
                 self.config.precision,
                 all_reduce=(None if self.parallel is None else self.parallel.sum_
-                            if self.pipeline is None else self._pipeline_eval_sum),
+                            if self.pipeline is None and self.slices is None
+                            else self._pipeline_eval_sum),
                 document_boundary=self._document_boundary)
         by_source = {} if result.by_source is None else {"val_by_source": {
             name: {"val_loss": part.loss, "val_bpb": part.bpb, "val_tokens": part.tokens}
@@ -524,7 +543,9 @@ class Trainer:
 
     def _pipeline_eval_sum(self, sums: torch.Tensor) -> None:
         """``[loss·tokens, tokens, bytes]``: the loss lives on the last stage (summed over
-        the world), the counts on every stage (summed over the data ranks)."""
+        the world), the counts on every stage (summed over the data ranks). Context
+        parallel likewise: each rank of a ``cp`` group has its slices' share of the loss
+        and the whole rows' counts."""
         assert self.parallel is not None
         total = self.parallel.sum_(sums[:1].clone())
         self.parallel.data_sum_(sums)

@@ -32,7 +32,7 @@ TRAINER_POLICY = k3_checkpoint.CompatibilityPolicy(
         "eval_tokens", "async_checkpoint", "keep_last", "keep_every",
         "activation_checkpointing", "expert_parallel", "pipeline_parallel",
         "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "downstream", "downstream_interval",
-        "downstream_limit")),
+        "downstream_limit", "context_parallel")),
     step_limit=("train_config.max_steps", f"{COUNTERS}.step"),
 )
 
@@ -113,7 +113,7 @@ def run_metadata(contract: ModelContract, config: TrainConfig,
     }
 
 
-LAYOUT_DEFAULTS = {"mode": "none", "world_size": 1, "expert_parallel": 1, "pp": 1}
+LAYOUT_DEFAULTS = {"mode": "none", "world_size": 1, "expert_parallel": 1, "pp": 1, "cp": 1}
 """The data-parallel layout fields a checkpoint does not record: a one-process run records
 no layout, a run without expert parallelism no degree."""
 

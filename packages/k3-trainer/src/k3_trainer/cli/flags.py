@@ -76,7 +76,10 @@ def shown(value: Any) -> str:
     return str(value)
 
 
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"pipeline_parallel": ("--pp",)}
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "pipeline_parallel": ("--pp",),
+    "context_parallel": ("--cp",),
+}
 """Shorter spellings of a field's flag, as the launchers people know spell them."""
 
 
@@ -84,15 +87,16 @@ def add_config_flags(group: Any, cls: type, *, dest_prefix: str,
                      default_note: Callable[[str, Any], str] | None = None) -> None:
     """Add one flag per field of the dataclass ``cls`` to ``group`` (a parser or an
     argument group). The value lands in ``dest_prefix + field name``; ``default_note``
-    words a field's default for its help line (default: ``default: <value>``)."""
+    words a field's default for its help line (default: ``default: <value>``); a field in
+    :data:`FLAG_ALIASES` also gets its shorter flags."""
     hints, docs = get_type_hints(cls), field_docs(cls)
     for item in dataclasses.fields(cls):
         kind, _optional = _parts(hints[item.name])
         default = (f"default: {shown(item.default)}" if default_note is None
                    else default_note(item.name, item.default))
         doc = docs.get(item.name, "")
-        flags = ("--" + item.name.replace("_", "-"), *FLAG_ALIASES.get(item.name, ()))
         dest = dest_prefix + item.name
+        flags = ("--" + item.name.replace("_", "-"), *FLAG_ALIASES.get(item.name, ()))
         help_line = f"{doc.rstrip('.')} ({default})" if doc else f"({default})"
         if kind is bool:
             group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,

@@ -97,6 +97,8 @@ def _relaunch_advice(run_dir: Path, *, layout: bool) -> str:
             return "relaunch in one process as the run was (no --parallel), or "
         degree = recorded.expert_parallel
         experts = f" --expert-parallel {degree}" if degree is not None else ""
+        if recorded.cp is not None:
+            experts += f" --cp {recorded.cp}"
         return (f"relaunch as the run was launched (--parallel {recorded.mode} "
                 f"--nproc {recorded.world_size}{experts}), or ")
     threads = last.host.torch_threads if last is not None else None

@@ -14,8 +14,15 @@ from .registry import (
     spec_for_model_type,
     unregister_model,
 )
-from .spec import ExpertParallel, HubFolderError, HubFormat, ModelSpec, PipelineHooks
+from .spec import (
+    ContextParallelHooks,
+    ExpertParallel,
+    HubFolderError,
+    HubFormat,
+    ModelSpec,
+    PipelineHooks,
+)
 
-__all__ = ["DEFAULT_MODEL", "ENTRY_POINT_GROUP", "ExpertParallel", "HubFolderError",
-           "HubFormat", "ModelSpec", "PipelineHooks", "get_model_spec", "model_names",
-           "register_model", "spec_for_model_type", "unregister_model"]
+__all__ = ["DEFAULT_MODEL", "ENTRY_POINT_GROUP", "ContextParallelHooks", "ExpertParallel",
+           "HubFolderError", "HubFormat", "ModelSpec", "PipelineHooks", "get_model_spec",
+           "model_names", "register_model", "spec_for_model_type", "unregister_model"]

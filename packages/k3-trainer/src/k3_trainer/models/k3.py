@@ -16,7 +16,14 @@ from k3_model.config import K3Config
 from k3_model.presets import PRESETS
 
 from ..config import ConfigError
-from .spec import ExpertParallel, HubFolderError, HubFormat, ModelSpec, PipelineHooks
+from .spec import (
+    ContextParallelHooks,
+    ExpertParallel,
+    HubFolderError,
+    HubFormat,
+    ModelSpec,
+    PipelineHooks,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +95,19 @@ def _stage_loss(stage: nn.Module, output: Tensor, targets: Tensor) -> Tensor:
     return loss
 
 
+def _check_context(config: K3Config, seq_len: int, degree: int) -> None:
+    from k3_model.context_parallel import check_context_parallel
+
+    try:
+        check_context_parallel(config, seq_len, degree)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _set_context_group(model: nn.Module, group: Any) -> None:
+    model.set_context_parallel(group)  # type: ignore[operator]
+
+
 @contextmanager
 def _refusals() -> Iterator[None]:
     """k3_model.hub's refusals as the spec's :class:`HubFolderError`."""
@@ -155,6 +175,7 @@ SPEC = ModelSpec(
         n_experts=_n_experts, shard=_shard, parameters=_expert_parameters,
         reduce_gradients=_reduce_gradients, moved_bytes=_moved_bytes),
     pipeline=PipelineHooks(n_layers=_n_layers, keep=_keep, stage=_stage, loss=_stage_loss),
+    context_parallel=ContextParallelHooks(check=_check_context, set_group=_set_context_group),
     hub=HubFormat(
         model_types=("kimi_linear", "kimi_k3"), save=_save, load=_load,
         config=_pretrained_config, load_weights=_load_weights, token_ids=_token_ids,

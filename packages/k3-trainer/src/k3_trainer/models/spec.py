@@ -61,6 +61,20 @@ class PipelineHooks:
     """``loss(stage_module, last_output, targets)``: the mean token loss."""
 
 
+@dataclass(frozen=True)
+class ContextParallelHooks:
+    """How a model splits each sequence over ranks (``--context-parallel N``,
+    :mod:`k3_trainer.context`)."""
+
+    check: Callable[[Any, int, int], None]
+    """``check(model_config, seq_len, degree)``: raise ``ValueError`` (one line naming the
+    fix) for a degree the model cannot run at that length."""
+    set_group: Callable[[nn.Module, Any], None]
+    """``set_group(model, group)``: from now on the forward takes this rank's contiguous
+    slice of every row (its ``document_ids`` too) and returns that slice's logits and
+    loss, exchanging what it needs over ``group`` (None: off)."""
+
+
 class HubFolderError(ValueError):
     """What :class:`HubFormat`'s hooks raise for a folder or a model they refuse, in one
     line naming the field or tensor."""
@@ -113,6 +127,8 @@ class ModelSpec:
     expert_parallel: ExpertParallel | None = None
     pipeline: PipelineHooks | None = None
     """How to cut the model into pipeline stages (None: it cannot be)."""
+    context_parallel: ContextParallelHooks | None = None
+    """How to split each sequence over ranks (None: it cannot be)."""
     hub: HubFormat | None = None
 
     def __post_init__(self) -> None:

@@ -115,7 +115,8 @@ def build_trainer(
     model from the seed, which is then sharded or replicated before the optimizer is
     built (FSDP2 parameters become DTensors; DDP asks Muon for one owner per matrix).
     Expert parallelism slices the routed experts first (the spec's hooks), so FSDP2
-    leaves them alone.
+    leaves them alone; context parallelism sets the model to its ``cp`` group (the
+    spec's hooks), the loaders reading by data rank.
     """
     config, spec = plan.config, plan.spec
     data = loaders(
@@ -146,6 +147,12 @@ def build_trainer(
             raise ConfigError(f"--pipeline-parallel: the model {spec.name!r} declares no way "
                               "to cut it into stages")
         pipeline = Pipeline(model, spec.pipeline, parallel, config)  # cuts the model
+    if parallel is not None and parallel.context_parallel > 1:
+        hooks = spec.context_parallel
+        if hooks is None:
+            raise ConfigError(f"--context-parallel: the model {spec.name!r} declares no way "
+                              "to split a sequence over ranks")
+        hooks.set_group(model, parallel.context_group)  # the forward now takes slices
     if parallel is not None:
         parallel.shard_experts(model, config.expert_parallel, spec.expert_parallel)
         # Activation checkpointing and compile before sharding/wrapping (the order PyTorch

@@ -16,6 +16,7 @@ from ..callbacks import MetricsLog, Report
 from ..callbacks.downstream import DownstreamEvaluator
 from ..checkpoint import run_history
 from ..config import ConfigError
+from ..context import check_context_layout
 from ..data import document_start, load_codec
 from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
@@ -66,10 +67,13 @@ def train(
     exit status (0: trained, or already complete)."""
     plan = resolve(request, notes, say)
     n_layers = getattr(plan.model_config, "n_layers", None)
+    check_context_layout(plan.config, request.parallel, launched_world_size(),
+                         plan.spec, plan.model_config)  # before any process group
     check_layout(plan.config, request.parallel, launched_world_size(),
-                 n_layers if isinstance(n_layers, int) else None)  # before any process group
+                 n_layers if isinstance(n_layers, int) else None)
     parallel, device = init_parallel(request.parallel, parse_device(request.device),
-                                     plan.config.pipeline_parallel)
+                                     plan.config.pipeline_parallel,
+                                     plan.config.context_parallel)
     clean = False
     try:
         status = execute(plan, device, parallel, say=say, result=result, explain=explain)

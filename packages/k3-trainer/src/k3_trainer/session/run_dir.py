@@ -188,7 +188,8 @@ def recorded_sources(record: RunRecord) -> tuple[Source, ...]:
 
 
 def recorded_world_size(record: RunRecord) -> int:
-    """The data-parallel world size of the run's last session (1 when it recorded none)."""
+    """The data ranks of the run's last session (1 when it recorded none): the ranks that
+    read different rows, whose rows together are the run's global batch."""
     last = record.last_session
     layout = last.data_parallel if last is not None else None
-    return layout.world_size if layout is not None and layout.world_size is not None else 1
+    return layout.data_ranks if layout is not None else 1
