@@ -1,0 +1,36 @@
+"""Leaving the process group frees it: no gloo thread outlives :func:`shutdown`.
+
+A group that outlives the run keeps gloo's threads (``pt_gloo_runloop``,
+``gloo_tcp_loop``) alive into interpreter exit, where a rank has aborted ("terminate
+called without an active exception"). torch._dynamo imported for the first time while
+the group exists (DDP's constructor does) keeps it alive; ``init_parallel`` imports it
+first. Deselect with ``-m 'not distributed'``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_distributed_training import (
+    TESTS,
+    TORCHRUN,
+    _run,
+    distributed,
+    needs_torchrun,
+    one_launch_at_a_time,
+)
+
+pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads threads from /proc")
+def test_ddp_shutdown_leaves_no_gloo_thread():
+    done = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2",
+                 TESTS / "teardown_worker.py"])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "terminate called" not in done.stderr, done.stderr[-4000:]
+    # two ranks writing to one pipe at once may run their lines together
+    said = sorted(re.findall(r"rank (\d) gloo threads: (\[[^\]]*\])", done.stdout))
+    assert said == [("0", "[]"), ("1", "[]")], done.stdout
