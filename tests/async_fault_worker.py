@@ -28,7 +28,7 @@ from pathlib import Path
 def _inject(count: int, seen: dict) -> None:
     """Fail this rank's ``count``-th checkpoint write (on whichever thread writes it)."""
     import k3_checkpoint
-    from k3_trainer.checkpoint.sharded import folder as sharded  # _hash_share's _file_entry
+    from k3_trainer.checkpoint.sharded import folder as sharded  # hash_files looks it up
 
     writes: list[Path] = []  # the checkpoint folders this rank has written into, in order
 
@@ -50,16 +50,16 @@ def _inject(count: int, seen: dict) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real_write(self, path)
 
-    real_entry = sharded._file_entry
+    real_entry = sharded.file_entry
 
     def file_entry(path):  # type: ignore[no-untyped-def]
         # FSDP2: this rank's share of the shards, hashed once they are written
-        if failing(Path(path).parent, "sharded._file_entry"):
+        if failing(Path(path).parent, "sharded.file_entry"):
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
         return real_entry(path)
 
     k3_checkpoint.CheckpointSnapshot.write = write
-    sharded._file_entry = file_entry
+    sharded.file_entry = file_entry
 
 
 def _record_fit(out: Path, rank: int, seen: dict) -> None:

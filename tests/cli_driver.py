@@ -137,18 +137,18 @@ def _kill_rank_inside_sharded_write(spec: str) -> None:
         raise SystemExit(f"cli_driver: unknown rank kill point {point!r}")
     if os.environ.get("RANK") != rank:
         return
-    from k3_trainer.checkpoint.sharded import write as sharded  # where _seal looks it up
+    from k3_trainer.checkpoint.sharded import write as sharded  # where seal looks it up
 
-    real_hash_share, seen = sharded._hash_share, 0
+    real_hash_files, seen = sharded.hash_files, 0
 
-    def hash_share(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def hash_files(*args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal seen
         seen += 1
         if seen == int(count):
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_hash_share(*args, **kwargs)
+        return real_hash_files(*args, **kwargs)
 
-    sharded._hash_share = hash_share
+    sharded.hash_files = hash_files
 
 
 def _read_only(directory: str) -> None:

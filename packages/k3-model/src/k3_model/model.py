@@ -118,13 +118,13 @@ class Block(nn.Module):
             x = x + self.mix(x, rope, decoding, documents)
             return x + self.feed(x)
         assert block_inv_rms is not None
-        out = self.mix(_read(self.attn_res, blocks, block_inv_rms, x), rope, decoding,
+        out = self.mix(residual_read(self.attn_res, blocks, block_inv_rms, x), rope, decoding,
                        documents)
         partial = out if x is None else x + out
-        return partial + self.feed(_read(self.mlp_res, blocks, block_inv_rms, partial))
+        return partial + self.feed(residual_read(self.mlp_res, blocks, block_inv_rms, partial))
 
 
-def _read(
+def residual_read(
     reader: ResidualRead | None, blocks: list[Tensor], inv_rms: list[Tensor],
     partial: Tensor | None,
 ) -> Tensor:
@@ -380,7 +380,7 @@ class K3Model(nn.Module):
             partial = self._run_layer(layer, partial, rope, list(blocks), list(inv_rms),
                                       decoding=decoding, documents=documents)
         assert self.final_res is not None and partial is not None
-        return _read(self.final_res, blocks, inv_rms, partial)
+        return residual_read(self.final_res, blocks, inv_rms, partial)
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """``"block"``: recompute each decoder layer's activations in the backward instead

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .attn_res import inverse_rms
 from .documents import Documents
 from .kda import KimiDeltaAttention
-from .model import K3Model, _read
+from .model import K3Model, residual_read
 
 
 def keep_stages(model: K3Model, layers: Sequence[int], *, first: bool, last: bool) -> None:
@@ -106,7 +106,7 @@ class StageForward(nn.Module):
             if not self.last:
                 return (partial, *blocks)
             assert self.final_res is not None
-            h = _read(self.final_res, blocks, inv_rms, partial)
+            h = residual_read(self.final_res, blocks, inv_rms, partial)
         else:
             for layer in self.blocks:
                 h = model._run_layer(layer, h, rope, documents=documents)

@@ -58,6 +58,10 @@ class Parallel:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.module: nn.Module | None = None
+        self.stages: Any = None
+        """This rank's pipeline stages and their schedule (a ``k3_trainer.pipeline.Pipeline``,
+        which imports this module), what the loop runs a batch through instead of
+        ``module`` (None: the whole model is here); set by the builder."""
         self.expert_parallel = 1
         self._experts: ExpertParallel | None = None
         self.pipeline = pipeline

@@ -119,9 +119,8 @@ class Trainer:
                  parallel: Parallel | None = None,
                  checkpoint_path: str | Path | CheckpointStore | None = None,
                  callbacks: Iterable[Callback] = (),
-                 grad_scaler: torch.amp.GradScaler | None = None,
-                 pipeline: Pipeline | None = None) -> None:
-        self.pipeline = pipeline
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        self.pipeline: Pipeline | None = parallel.stages if parallel is not None else None
         """This rank's pipeline stages and their schedule (None: the whole model here)."""
         self.contract: ModelContract = check_model(model)
         self.model, self.optimizer, self.config, self.parallel = model, optimizer, config, parallel
@@ -177,8 +176,8 @@ class Trainer:
         self._agreed_stop = 0  # the largest signal any rank had, as of the last loss reduce
         self.checkpointer = Checkpointer(self.states(),
                                          run_metadata(self.contract, config, parallel,
-                                                      None if pipeline is None
-                                                      else pipeline.qk_geometry),
+                                                      None if self.pipeline is None
+                                                      else self.pipeline.qk_geometry),
                                          TRAINER_POLICY, parallel)
         self.saves = Saves(self.checkpointer, self.store, parallel,
                            background=config.async_checkpoint, event=self._event,

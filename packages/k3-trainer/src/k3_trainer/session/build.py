@@ -164,7 +164,8 @@ def build_trainer(
         distributed = True if parallel.mode == "ddp" else None
     if pipeline is not None:
         pipeline.start()
+        assert parallel is not None  # stages need the process group
+        parallel.stages = pipeline
     optimizer = build_optimizer(model, config, distributed=distributed,
                                 stage=pipeline is not None)
-    return Trainer(model, optimizer, data, config, parallel=parallel, checkpoint_path=checkpoint,
-                   pipeline=pipeline)
+    return Trainer(model, optimizer, data, config, parallel=parallel, checkpoint_path=checkpoint)
