@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from k3_model import K3Config
 
+from ..config import TrainConfig
 from .gpus import GPU
 from .inventory import inventory
 from .layout import ParallelLayout
@@ -19,19 +20,22 @@ def gib(n: int) -> str:
     return f"{n / GiB:,.2f} GiB" if n >= GiB else f"{n / MiB:,.1f} MiB"
 
 
-def memory_line(model_config: K3Config, *, world_size: int, mode: str, expert_parallel: int,
-                batch_size: int, seq_len: int, grad_accum: int, precision: str,
-                checkpointing: bool, normuon: bool, device_memory: int | None) -> str:
+def memory_line(model_config: K3Config, train: TrainConfig, *, world_size: int, mode: str,
+                device_memory: int | None = None) -> str:
     """One line: this rank's planned parameters, gradients, optimizer state, activations
-    and buffers (``mode`` ``none``/``ddp``/``fsdp``; DDP counted replicated, an upper
-    bound for Muon's state), against ``device_memory`` bytes when known (a GPU)."""
+    and buffers for ``train``'s batch, precision, checkpointing and optimizer (``mode``
+    ``none``/``ddp``/``fsdp``; DDP counted replicated, an upper bound for Muon's state),
+    against ``device_memory`` bytes when known (a GPU)."""
+    expert_parallel, precision = train.expert_parallel, train.precision
     fsdp = mode == "fsdp"
     layout = ParallelLayout(dp=world_size if fsdp else 1, ep=expert_parallel if fsdp else 1,
-                            batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum)
+                            batch_size=train.batch_size, seq_len=train.seq_len,
+                            grad_accum=train.gradient_accumulation_steps)
     gpu = GPU("this device", device_memory or 1, 1.0)
     plan = make_plan(inventory(model_config), layout, gpu, Options(
-        precision="fp32" if precision == "fp32" else "bf16", checkpointing=checkpointing,
-        normuon=normuon, headroom=0.0))
+        precision="fp32" if precision == "fp32" else "bf16",
+        checkpointing=train.activation_checkpointing == "block", normuon=train.muon_normuon,
+        headroom=0.0))
     (stage,) = plan.stages
 
     line = (f"plan: params {gib(stage.params_bytes)}, grads {gib(stage.grads_bytes)}, "

@@ -213,17 +213,12 @@ def _planned_memory(plan: Plan, device: torch.device, parallel: Parallel | None)
         return None
     from ..planning.launch import memory_line
 
-    config = plan.config
     memory = (torch.cuda.get_device_properties(device).total_memory
               if device.type == "cuda" else None)
     return memory_line(
-        plan.model_config,
+        plan.model_config, plan.config,
         world_size=1 if parallel is None else parallel.world_size,
-        mode="none" if parallel is None else parallel.mode,
-        expert_parallel=config.expert_parallel, batch_size=config.batch_size,
-        seq_len=config.seq_len, grad_accum=config.gradient_accumulation_steps,
-        precision=config.precision, checkpointing=config.activation_checkpointing == "block",
-        normuon=config.muon_normuon, device_memory=memory)
+        mode="none" if parallel is None else parallel.mode, device_memory=memory)
 
 
 def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:
