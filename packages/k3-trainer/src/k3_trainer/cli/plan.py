@@ -5,38 +5,23 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-
-from k3_model import K3Config
+from typing import Any
 
 from ..config import ConfigError
 from ..planning import LayoutError, Options, ParallelLayout, gpu, inventory, make_plan, suggest
+from ..planning.model import planned_model
 from ..planning.plan import Plan
 from .options import PlanCommand
 
 GiB = 2**30
 
 
-def model_config(command: PlanCommand) -> K3Config:
+def model_config(command: PlanCommand) -> Any:
     """The model of ``--preset``, ``--model DIR`` or ``--config FILE`` (exactly one)."""
-    given = [x is not None for x in (command.preset, command.model, command.config)]
-    if sum(given) != 1:
-        raise ConfigError("plan: give exactly one of --preset NAME, --model DIR, --config FILE")
-    from k3_model.presets import preset
+    from ..session.config_file import read_toml
 
-    try:
-        if command.preset is not None:
-            return preset(command.preset)
-        if command.model is not None:
-            from k3_model.hub import from_hub_config
-
-            return from_hub_config(json.loads((command.model / "config.json").read_text()))
-        from ..session.config_file import read_toml
-
-        data = read_toml(command.config)
-        fields = data.get("model", {})
-        return preset(data.get("preset", "tiny"), **fields)
-    except ValueError as exc:
-        raise ConfigError(f"plan: {exc}") from None
+    toml = None if command.config is None else read_toml(command.config)
+    return planned_model(command.preset, command.model, toml)
 
 
 def _layout(command: PlanCommand, world: int) -> ParallelLayout:

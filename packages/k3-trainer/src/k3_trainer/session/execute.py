@@ -207,11 +207,11 @@ def execute(
 def _planned_memory(plan: Plan, device: torch.device, parallel: Parallel | None) -> str | None:
     """``k3-train plan``'s memory line for this run's layout (K3 models; None for others),
     from the meta-device model: no allocation, a fraction of a second for the presets."""
-    from k3_model import K3Config
-
-    if not isinstance(plan.model_config, K3Config):
-        return None
     from ..planning.launch import memory_line
+    from ..planning.model import plannable
+
+    if not plannable(plan.model_config):
+        return None
 
     memory = (torch.cuda.get_device_properties(device).total_memory
               if device.type == "cuda" else None)
