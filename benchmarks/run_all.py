@@ -30,6 +30,7 @@ SUITE = [  # (name, script, extra arguments for --quick)
     ("model", "bench_model.py", []),
     ("compile", "bench_compile.py", ["--presets", "tiny"]),
     ("distributed", "bench_distributed.py", []),
+    ("pipeline", "bench_pipeline.py", []),
     ("context_parallel", "bench_context_parallel.py", []),
     ("cli", "bench_cli.py", []),
     ("threads", "bench_threads.py", []),

@@ -121,11 +121,20 @@ def proc_stat(pid: int) -> list[str]:
     return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()
 
 
+PROGRESS = ("k3-train: resumed from step", "k3-train: plan: ")
+"""The progress lines a session prints before a later failure: a resume's "resumed from
+step N" and the planner's memory line."""
+
+
+def refusal_lines(stderr: str) -> list[str]:
+    """stderr's non-blank lines less the progress lines (the refusals are what remains)."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not line.startswith(PROGRESS)]
+
+
 def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
-    """stderr's lines, less a resume's "resumed from step N" note (printed before a
-    later failure of that session)."""
-    return [line for line in result.stderr.splitlines()
-            if line.strip() and not line.startswith("k3-train: resumed from step")]
+    """A finished command's stderr, less its progress lines."""
+    return refusal_lines(result.stderr)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], match: str,

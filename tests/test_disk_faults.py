@@ -23,6 +23,7 @@ from harness import (
     build_run,
     k3_train,
     latest_checkpoint,
+    refusal_lines,
     train_config,
     tree_bytes,
 )
@@ -63,12 +64,11 @@ def _disk_full_at(monkeypatch, write: int, *, like_torch: bool) -> None:
 
 
 def _cli(argv, capsys) -> tuple[int, list[str]]:
-    """The exit code and stderr's lines, less a resume's "resumed from step N" note (the
-    refusals under test are the lines that remain)."""
+    """The exit code and stderr's lines less the progress lines (the refusals under test
+    are the lines that remain)."""
     capsys.readouterr()
     code = main([str(a) for a in argv])
-    return code, [line for line in capsys.readouterr().err.splitlines()
-                  if line.strip() and not line.startswith("k3-train: resumed from step")]
+    return code, refusal_lines(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("like_torch", [False, True], ids=["oserror", "torch-runtimeerror"])

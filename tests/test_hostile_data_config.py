@@ -186,7 +186,8 @@ def test_dataset_smaller_than_one_batch_is_refused(tmp_path, small_toml, capsys,
 NAN, INF = math.nan, math.inf
 INVALID_VALUES = [
     ("batch_size", 0), ("batch_size", -4), ("seq_len", 0), ("gradient_accumulation_steps", 0),
-    ("expert_parallel", 0),
+    ("expert_parallel", 0), ("pipeline_parallel", 0), ("pp_schedule", "zero-bubble"),
+    ("pp_microbatches", 0), ("pp_stages_per_rank", 0), ("context_parallel", 0),
     ("peak_lr", 0.0), ("peak_lr", -1e-3), ("peak_lr", NAN), ("peak_lr", INF),
     ("weight_decay", -0.1), ("weight_decay", NAN), ("adam_beta1", 1.0), ("adam_beta1", -0.1),
     ("adam_beta2", 1.5), ("adam_eps", -1e-8), ("adam_eps", INF), ("muon_momentum", 1.0),
@@ -212,7 +213,7 @@ WRONG_TYPES = [
     ("muon_normuon", "on"), ("muon_normuon", 1), ("cautious_weight_decay", "yes"),
     ("keep_last", 1.5), ("keep_last", True), ("keep_last", None), ("keep_every", "10"),
     ("keep_every", 2.0), ("downstream", 3), ("downstream", ["arc_easy"]),
-    ("downstream_interval", 1.5), ("downstream_limit", None),
+    ("downstream_interval", 1.5), ("downstream_limit", None), ("pp_microbatches", 2.0),
 ]
 
 

@@ -15,7 +15,14 @@ import math
 
 import pytest
 import torch
-from harness import Inject, assert_bitwise_equal, build_run, latest_checkpoint, train_config
+from harness import (
+    Inject,
+    assert_bitwise_equal,
+    build_run,
+    latest_checkpoint,
+    refusal_lines,
+    train_config,
+)
 
 from k3_checkpoint import read_payload
 from k3_model import K3Model
@@ -69,7 +76,7 @@ def test_nan_loss_stops_the_cli_in_one_line_and_the_last_checkpoint_resumes(
              "1", "--warmup-steps", "1", "--decay-steps", "6"]
     capsys.readouterr()
     code = main(["train", "--run-dir", str(run), *flags, "--max-steps", "6"])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    err = refusal_lines(capsys.readouterr().err)
     assert code == 1
     assert err == ["k3-train: training diverged: Non-finite training loss at step 4"]
     # no .tmp left behind, and only the latest checkpoint kept (keep_last 1)
