@@ -183,7 +183,7 @@ def test_a_mixture_s_loss_by_source_matches_one_process(config, code_dir, data_d
     (["--parallel", "fsdp", "--cp", 2, "--pipeline-parallel", 2],
      "--context-parallel with --pipeline-parallel is not supported"),
     (["--parallel", "fsdp", "--context-parallel", 4], "less than one KDA chunk (16)"),
-    (["--parallel", "fsdp", "--cp", 2], "the world size 1 is not a multiple of it"),
+    (["--parallel", "fsdp", "--cp", 2], "the world size 1 is not dp·cp·pp"),
     (["--parallel", "fsdp", "--cp", 2, "--downstream", "arc_easy"],
      "with --context-parallel > 1 score the checkpoints afterwards"),
 ])

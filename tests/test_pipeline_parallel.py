@@ -92,7 +92,7 @@ def test_two_stages_match_one_process(schedule, per_rank, microbatches, referenc
 @needs_torchrun
 @pytest.mark.parametrize(("flags", "message"), [
     (("--pp", 2), "--pipeline-parallel 2 needs --parallel fsdp"),
-    (("--pp", 2, "--parallel", "fsdp"), "the world size 1 is not a multiple of it"),
+    (("--pp", 2, "--parallel", "fsdp"), "the world size 1 is not dp·cp·pp"),
 ])
 def test_an_impossible_pipeline_layout_is_refused_in_one_line(flags, message, tmp_path,
                                                                data_dir):

@@ -304,3 +304,30 @@ def test_interleaving_keeps_megatrons_extra_warm_up_activations():
     held = [sum(s.activations_bytes for s in p.stages if s.pp_rank == 0)
             for p in (plain, interleaved)]
     assert held[1] == pytest.approx(held[0] * (1 + 3 / 8), rel=0.02)  # blocks split unevenly
+
+
+def test_the_memory_line_plans_the_run_s_own_stages_and_slices():
+    """Under pipeline stages it is the most loaded stage's rank; context parallelism
+    splits the activations; DDP holds the whole model on every rank."""
+    from k3_trainer.planning.launch import gib, memory_line
+
+    config = preset("tiny")
+    whole = TrainConfig(batch_size=4, seq_len=64, precision="fp32")
+    piped = TrainConfig(batch_size=4, seq_len=64, precision="fp32", pipeline_parallel=2)
+    sliced = TrainConfig(batch_size=4, seq_len=64, precision="fp32", context_parallel=2)
+    options = Options(precision="fp32", headroom=0.0)
+    stages = make_plan(inventory(config), ParallelLayout(pp=2, microbatches=2, batch_size=4,
+                                                         seq_len=64), gpu("h100"),
+                       options).stages
+    heaviest = max(stages, key=lambda s: s.total_bytes)
+    line = memory_line(config, piped, world_size=2, mode="fsdp")
+    assert f"= {gib(heaviest.total_bytes)} per rank (the most loaded of 2 stages)" in line
+    (cp,) = make_plan(inventory(config), ParallelLayout(cp=2, batch_size=4, seq_len=64),
+                      gpu("h100"), options).stages
+    assert f"= {gib(cp.total_bytes)} per rank" in memory_line(config, sliced, world_size=2,
+                                                              mode="fsdp")
+    (one,) = make_plan(inventory(config), ParallelLayout(batch_size=4, seq_len=64),
+                       gpu("h100"), options).stages
+    assert f"= {gib(one.total_bytes)} per rank" in memory_line(config, whole, world_size=2,
+                                                               mode="ddp")
+    assert cp.activations_bytes < one.activations_bytes

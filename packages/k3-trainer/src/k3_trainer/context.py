@@ -1,5 +1,6 @@
 """Context parallelism in the trainer (``--context-parallel N``, alias ``--cp``): the
-layout's refusals, and the forward that gives each rank its slice of the rows.
+forward that gives each rank its slice of the rows (the layouts it refuses are
+:func:`k3_trainer.planning.layout.check_launch`'s).
 
 The ``N`` ranks of a ``cp`` group (adjacent ranks of the ``(pp, dp, cp)`` mesh) read the
 *same* rows (the loaders hand rows out by data rank) and each runs the model on its
@@ -22,50 +23,13 @@ every slice's tokens (:class:`~k3_trainer.distributed.Parallel`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .config import ConfigError, TrainConfig
-
-if TYPE_CHECKING:
-    from .models import ModelSpec
-
 IGNORED = -100
 """A target the loss does not score (as ``F.cross_entropy``'s ``ignore_index``)."""
-
-
-def check_context_layout(config: TrainConfig, mode: str, world_size: int,
-                         spec: ModelSpec | None = None, model_config: Any = None) -> None:
-    """Refuse, with one line each, a context-parallel layout that cannot run, before any
-    process group is created: the trainer's refusals, then the model's (``spec``'s
-    :class:`~k3_trainer.models.ContextParallelHooks` with ``model_config``)."""
-    cp = config.context_parallel
-    if cp == 1:
-        return
-    if mode != "fsdp":
-        raise ConfigError(f"--context-parallel {cp} needs --parallel fsdp (FSDP2 shards "
-                          "the parameters over dp × cp; DDP is not supported with it)")
-    if config.pipeline_parallel > 1:
-        raise ConfigError("--context-parallel with --pipeline-parallel is not supported yet; "
-                          "drop one of them")
-    if config.seq_len % cp:
-        raise ConfigError(f"--seq-len {config.seq_len} is not divisible by "
-                          f"--context-parallel {cp}: each rank holds an equal contiguous "
-                          "slice of every row; use a multiple of it")
-    if config.downstream is not None:
-        raise ConfigError("--downstream scores whole documents on each rank; with "
-                          "--context-parallel > 1 score the checkpoints afterwards "
-                          "(k3-train eval --tasks)")
-    if spec is not None:
-        if spec.context_parallel is None:
-            raise ConfigError(f"--context-parallel: the model {spec.name!r} declares no "
-                              "way to split a sequence over ranks")
-        spec.context_parallel.check(model_config, config.seq_len, cp)
-    if world_size % cp:
-        raise ConfigError(f"--context-parallel {cp}: the world size {world_size} is not a "
-                          f"multiple of it (world = dp × cp); launch {cp}·k processes")
 
 
 class ContextSlices(nn.Module):
@@ -125,4 +89,4 @@ class ContextSlices(nn.Module):
         return logits, losses.sum() / scored
 
 
-__all__ = ["ContextSlices", "check_context_layout"]
+__all__ = ["ContextSlices"]

@@ -1,5 +1,6 @@
-"""Pipeline stages through ``torch.distributed.pipelining``: the layout's refusals, the
-cut model, its ``PipelineStage``s and the schedule that runs one batch's microbatches.
+"""Pipeline stages through ``torch.distributed.pipelining``: the cut model, its
+``PipelineStage``s and the schedule that runs one batch's microbatches (the layouts it
+refuses are :func:`k3_trainer.planning.layout.check_launch`'s).
 
 ``--pipeline-parallel P`` cuts the decoder blocks into ``P × V`` contiguous stages
 (``V = --pp-stages-per-rank``, 2 or more for ``interleaved-1f1b``; stage ``s`` on pipeline
@@ -24,70 +25,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
+from .planning.layout import microbatches, stage_blocks
 
 if TYPE_CHECKING:
     from k3_qkclip import QKClipPolicy
 
     from .distributed import Parallel
     from .models import PipelineHooks
-
-ONE_F_ONE_B = ("1f1b", "interleaved-1f1b")
-
-
-def microbatches(config: TrainConfig) -> int:
-    """The microbatches a batch is cut into (``pp_microbatches``, default the stage count)."""
-    return config.pp_microbatches or config.pipeline_parallel * config.pp_stages_per_rank
-
-
-def check_layout(config: TrainConfig, mode: str, world_size: int, n_layers: int | None
-                 ) -> None:
-    """Refuse, with one line each, a pipeline layout that cannot work, before any process
-    group is created (``n_layers`` None: the model declares no decoder blocks)."""
-    stages, per_rank = config.pipeline_parallel, config.pp_stages_per_rank
-    if stages == 1:
-        if per_rank != 1 or config.pp_microbatches is not None:
-            raise ConfigError("--pp-stages-per-rank and --pp-microbatches need "
-                              "--pipeline-parallel 2 or more")
-        return
-    if mode != "fsdp":
-        raise ConfigError(f"--pipeline-parallel {stages} needs --parallel fsdp (FSDP2 shards "
-                          "each stage over the data ranks; DDP is not supported with stages)")
-    if world_size % stages:
-        raise ConfigError(f"--pipeline-parallel {stages}: the world size {world_size} is not "
-                          f"a multiple of it (world = pp × dp); launch {stages}·k processes")
-    if config.expert_parallel > 1:
-        raise ConfigError("--pipeline-parallel with --expert-parallel is not supported yet; "
-                          "drop one of them")
-    if config.pp_schedule == "interleaved-1f1b" and per_rank < 2:
-        raise ConfigError("--pp-schedule interleaved-1f1b needs --pp-stages-per-rank 2 or more")
-    if config.pp_schedule != "interleaved-1f1b" and per_rank != 1:
-        raise ConfigError(f"--pp-stages-per-rank {per_rank} needs --pp-schedule "
-                          "interleaved-1f1b")
-    total = stages * per_rank
-    if n_layers is None or n_layers < total:
-        raise ConfigError(f"--pipeline-parallel {stages} × --pp-stages-per-rank {per_rank} = "
-                          f"{total} stages, but the model has {n_layers or 0} decoder blocks; "
-                          "use fewer stages")
-    count = microbatches(config)
-    if config.pp_schedule in ONE_F_ONE_B and count < stages:
-        raise ConfigError(f"--pp-microbatches {count} is fewer than the {stages} stages, "
-                          f"which --pp-schedule {config.pp_schedule} needs; raise it")
-    if config.batch_size % count:
-        raise ConfigError(f"--batch-size {config.batch_size} is not divisible into "
-                          f"--pp-microbatches {count}; make it a multiple")
-
-
-def stage_ranges(n_layers: int, stages: int) -> list[range]:
-    """Contiguous, balanced layer ranges, one per stage."""
-    base, extra = divmod(n_layers, stages)
-    ranges, start = [], 0
-    for stage in range(stages):
-        stop = start + base + (1 if stage < extra else 0)
-        ranges.append(range(start, stop))
-        start = stop
-    return ranges
-
 
 class Pipeline:
     """This rank's stages of ``model`` (cut in place when built) and the schedule that
@@ -104,7 +49,7 @@ class Pipeline:
         self.count = microbatches(config)
         pp = parallel.pipeline
         self.total = total = pp * config.pp_stages_per_rank
-        ranges = stage_ranges(hooks.n_layers(model), total)
+        ranges = stage_blocks(hooks.n_layers(model), total)
         self.indices = [s for s in range(total) if s % pp == parallel.pipeline_rank]
         held = [index for s in self.indices for index in ranges[s]]
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}

@@ -7,11 +7,26 @@ Degrees: ``pp`` pipeline ranks (each holding ``stages_per_rank`` stages of
 expert parallelism folds into it: ``ep`` divides ``dp·cp`` and each routed-expert stack
 is split ``ep`` ways, replicated over the other ``dp·cp/ep``. The world is
 ``dp·cp·pp``.
+
+:func:`validate_layout` is the one decision on whether a layout can run: ``k3-train
+plan`` calls it for every layout it sizes or suggests, and ``k3-train train`` through
+:func:`check_launch`, which first refuses what this trainer does not run yet (a
+combination, a flag without the degree it tunes, a model without the hooks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..config import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from ..models import ModelSpec
+
+INTERLEAVED = "interleaved-1f1b"
+ONE_F_ONE_B = ("1f1b", INTERLEAVED)
+"""The schedules that keep at most ``pp`` microbatches in flight, so need that many."""
 
 
 class LayoutError(ValueError):
@@ -74,13 +89,19 @@ def stage_blocks(n_blocks: int, stages: int) -> list[range]:
     return out
 
 
-def validate_layout(layout: ParallelLayout, *, n_blocks: int, world_size: int | None = None,
-                    n_experts: int | None = None) -> None:
+def microbatches(config: TrainConfig) -> int:
+    """The microbatches a batch is cut into under pipeline stages (``pp_microbatches``,
+    default the stage count)."""
+    return config.pp_microbatches or config.pipeline_parallel * config.pp_stages_per_rank
+
+
+def validate_layout(layout: ParallelLayout, *, n_blocks: int | None,
+                    world_size: int | None = None, n_experts: int | None = None) -> None:
     """Raise :class:`LayoutError` (one line) for a layout that cannot run: degrees below
     1, a world size that is not ``dp·cp·pp``, ``ep`` not dividing ``dp·cp`` or the
-    experts, fewer decoder blocks than stages, fewer 1F1B microbatches than pipeline
-    ranks, a batch that does not split into the microbatches, a sequence ``cp`` does not
-    divide."""
+    experts, more stages than decoder blocks (``n_blocks`` None: the model declares
+    none), fewer 1F1B microbatches than pipeline ranks, a batch that does not split into
+    the microbatches, a sequence ``cp`` does not divide."""
     for name in ("dp", "ep", "pp", "cp", "stages_per_rank", "microbatches", "batch_size",
                  "seq_len", "grad_accum"):
         if getattr(layout, name) < 1:
@@ -88,18 +109,18 @@ def validate_layout(layout: ParallelLayout, *, n_blocks: int, world_size: int | 
     if world_size is not None and world_size != layout.world_size:
         raise LayoutError(
             f"the world size {world_size} is not dp·cp·pp = {layout.dp}·{layout.cp}·"
-            f"{layout.pp} = {layout.world_size}; change --dp, --cp or --pp so their product "
-            f"is {world_size}")
+            f"{layout.pp} = {layout.world_size}; the processes must be a multiple of "
+            f"cp·pp = {layout.cp * layout.pp}")
     if layout.shard_degree % layout.ep:
         raise LayoutError(f"ep ({layout.ep}) must divide dp·cp ({layout.shard_degree}): "
                           "expert parallelism splits the data-parallel ranks")
     if n_experts is not None and layout.ep > 1 and n_experts % layout.ep:
         raise LayoutError(f"ep ({layout.ep}) must divide the routed experts ({n_experts})")
-    if layout.stages > n_blocks:
+    if layout.stages > 1 and layout.stages > (n_blocks or 0):
         raise LayoutError(
-            f"pp·stages_per_rank = {layout.stages} stages but the model has {n_blocks} "
+            f"pp·stages_per_rank = {layout.stages} stages but the model has {n_blocks or 0} "
             "decoder blocks; use at most one stage per block")
-    if layout.pp > 1 and layout.schedule.lower() in ("1f1b", "interleaved1f1b") \
+    if layout.pp > 1 and layout.schedule.lower() in ONE_F_ONE_B \
             and layout.microbatches < layout.pp:
         raise LayoutError(
             f"microbatches ({layout.microbatches}) must be ≥ pp ({layout.pp}) for 1F1B; "
@@ -111,3 +132,59 @@ def validate_layout(layout: ParallelLayout, *, n_blocks: int, world_size: int | 
     if layout.seq_len % layout.cp:
         raise LayoutError(f"seq_len ({layout.seq_len}) is not divisible by cp "
                           f"({layout.cp}); make it a multiple of --cp")
+
+
+def launch_layout(config: TrainConfig, mode: str, world_size: int) -> ParallelLayout:
+    """The layout ``world_size`` processes launched with ``config`` make: ``dp`` the
+    processes over ``cp·pp``; ``ep`` only under FSDP2 (``mode`` none/ddp/fsdp)."""
+    pp, cp = config.pipeline_parallel, config.context_parallel
+    return ParallelLayout(
+        dp=max(world_size // (pp * cp), 1),
+        ep=config.expert_parallel if mode == "fsdp" else 1, pp=pp, cp=cp,
+        stages_per_rank=config.pp_stages_per_rank,
+        microbatches=microbatches(config) if pp > 1 else 1, batch_size=config.batch_size,
+        seq_len=config.seq_len, grad_accum=config.gradient_accumulation_steps,
+        schedule=config.pp_schedule)
+
+
+def check_launch(config: TrainConfig, mode: str, world_size: int, *,
+                 n_blocks: int | None, spec: ModelSpec | None = None,
+                 model_config: Any = None) -> None:
+    """Refuse, in one :class:`~k3_trainer.config.ConfigError` line, a layout ``k3-train
+    train`` cannot launch, before any process group exists: what this trainer does not
+    run (stages or context parallelism without FSDP2, pipeline stages beside expert or
+    context parallelism, in-loop downstream tasks under context parallelism, a model
+    without the hooks), then :func:`validate_layout`, the planner's own decision, on the
+    layout ``world_size`` processes make of ``config`` (``mode`` none/ddp/fsdp)."""
+    pp, per_rank, cp = config.pipeline_parallel, config.pp_stages_per_rank, config.context_parallel
+    if pp == 1 and (per_rank != 1 or config.pp_microbatches is not None):
+        raise ConfigError("--pp-stages-per-rank and --pp-microbatches need "
+                          "--pipeline-parallel 2 or more")
+    for flag, degree in (("--pipeline-parallel", pp), ("--context-parallel", cp)):
+        if degree > 1 and mode != "fsdp":
+            raise ConfigError(f"{flag} {degree} needs --parallel fsdp (FSDP2 shards the "
+                              "parameters over the data ranks; DDP is not supported with it)")
+    if pp > 1 and config.expert_parallel > 1:
+        raise ConfigError("--pipeline-parallel with --expert-parallel is not supported yet; "
+                          "drop one of them")
+    if pp > 1 and cp > 1:
+        raise ConfigError("--context-parallel with --pipeline-parallel is not supported yet; "
+                          "drop one of them")
+    if pp > 1 and (config.pp_schedule == INTERLEAVED) != (per_rank > 1):
+        raise ConfigError(f"--pp-schedule {INTERLEAVED} needs --pp-stages-per-rank 2 or more"
+                          if per_rank == 1 else f"--pp-stages-per-rank {per_rank} needs "
+                          f"--pp-schedule {INTERLEAVED}")
+    if cp > 1 and config.downstream is not None:
+        raise ConfigError("--downstream scores whole documents on each rank; with "
+                          "--context-parallel > 1 score the checkpoints afterwards "
+                          "(k3-train eval --tasks)")
+    if cp > 1 and spec is not None:
+        if spec.context_parallel is None:
+            raise ConfigError(f"--context-parallel: the model {spec.name!r} declares no "
+                              "way to split a sequence over ranks")
+        spec.context_parallel.check(model_config, config.seq_len, cp)
+    try:
+        validate_layout(launch_layout(config, mode, world_size), n_blocks=n_blocks,
+                        world_size=world_size)
+    except LayoutError as refused:
+        raise ConfigError(str(refused)) from None

@@ -16,13 +16,12 @@ from ..callbacks import MetricsLog, Report
 from ..callbacks.downstream import DownstreamEvaluator
 from ..checkpoint import run_history
 from ..config import ConfigError
-from ..context import check_context_layout
 from ..data import document_start, load_codec
 from ..data.loader import manifest_digest, read_manifest
 from ..distributed import Parallel, init_parallel, shutdown
 from ..interrupt import StopOnSignal
 from ..observe.metrics import mark_superseded
-from ..pipeline import check_layout
+from ..planning.layout import check_launch
 from ..precision import validate_precision
 from ..record import (
     METRICS,
@@ -67,10 +66,9 @@ def train(
     exit status (0: trained, or already complete)."""
     plan = resolve(request, notes, say)
     n_layers = getattr(plan.model_config, "n_layers", None)
-    check_context_layout(plan.config, request.parallel, launched_world_size(),
-                         plan.spec, plan.model_config)  # before any process group
-    check_layout(plan.config, request.parallel, launched_world_size(),
-                 n_layers if isinstance(n_layers, int) else None)
+    check_launch(plan.config, request.parallel, launched_world_size(),  # before any group
+                 n_blocks=n_layers if isinstance(n_layers, int) else None,
+                 spec=plan.spec, model_config=plan.model_config)
     parallel, device = init_parallel(request.parallel, parse_device(request.device),
                                      plan.config.pipeline_parallel,
                                      plan.config.context_parallel)
