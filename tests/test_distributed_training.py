@@ -215,7 +215,7 @@ def test_an_impossible_expert_parallel_layout_is_refused_before_anything_is_writ
     assert "--expert-parallel 2 needs a torchrun launch with --parallel fsdp" in alone.stderr
     for mode, degree, message in (
             ("ddp", 2, "--expert-parallel 2 needs --parallel fsdp"),
-            ("fsdp", 3, "--expert-parallel 3 must divide the world size 2")):
+            ("fsdp", 3, "ep (3) must divide dp·cp (2)")):
         run_dir = tmp_path / f"{mode}{degree}"
         launched = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m",
                          "k3_trainer.cli", *base, "--run-dir", run_dir, "--parallel", mode,
