@@ -1,8 +1,10 @@
-"""One rank of tests/test_planning_ranks.py (``torchrun --nproc_per_node 2
+"""One rank of tests/test_planning_ranks.py (``torchrun --nproc_per_node 2|4
 planning_worker.py OUT``): builds the small MoE model the way the trainer does under
 FSDP2 (``Parallel.shard_experts`` then ``Parallel.wrap``, then ``build_optimizer``): FSDP 2,
 FSDP 2 with ``--expert-parallel 2``, two pipeline stages (``--pp 2``, one rank each) and
-context parallelism 2 (FSDP2 over ``dp × cp``); takes one real MuonAdamW step and writes
+context parallelism 2 (FSDP2 over ``dp × cp``); on 4 ranks, two stages over two data
+ranks and context parallelism 2 over two data ranks (with and without ``--expert-parallel
+2``). Each takes one real MuonAdamW step and writes
 this rank's local parameter, gradient and optimizer-state bytes to ``OUT/rank{R}.json``
 for the test to hold the plan to.
 
@@ -27,8 +29,11 @@ from k3_trainer.optim import build_optimizer
 from k3_trainer.pipeline import Pipeline
 from k3_trainer.planning.measure import state_nbytes
 
-LAYOUTS = {"fsdp2": (1, 1, 1), "fsdp2+ep2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)}
-"""Name: (expert parallel, pipeline stages, context parallel) over the 2 ranks."""
+LAYOUTS = {
+    2: {"fsdp2": (1, 1, 1), "fsdp2+ep2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)},
+    4: {"pp2xdp2": (1, 2, 1), "cp2xdp2": (1, 1, 2), "cp2xdp2+ep2": (2, 1, 2)},
+}
+"""Per world size, name: (expert parallel, pipeline stages, context parallel)."""
 OVERRIDES = {"vocab_size": 251}
 """An odd vocabulary: FSDP2 gives rank 0 one more embedding and head row than rank 1."""
 
@@ -66,8 +71,9 @@ def _measure(layout: tuple[int, int, int], normuon: bool) -> dict[str, int]:
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
+    layouts = LAYOUTS[dist.get_world_size()]
     result = {f"{name}{'+normuon' if normuon else ''}": _measure(layout, normuon)
-              for name, layout in LAYOUTS.items() for normuon in (False, True)}
+              for name, layout in layouts.items() for normuon in (False, True)}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,7 +1,8 @@
-"""``k3-train plan``'s model-state bytes against what each of 2 ranks really holds (torchrun,
-gloo, FSDP2; with and without ``--expert-parallel 2``, two pipeline stages, context
-parallelism 2; Muon and NorMuon): parameters, gradients and optimizer state to the byte,
-for rank 0 (the plan's most loaded rank) and rank 1. One torchrun launch
+"""``k3-train plan``'s model-state bytes against what each rank really holds (torchrun,
+gloo, FSDP2; Muon and NorMuon): on 2 ranks FSDP 2 with and without ``--expert-parallel
+2``, two pipeline stages, context parallelism 2; on 4 ranks two stages over two data
+ranks and context parallelism 2 over two data ranks (with and without EP 2). Parameters,
+gradients and optimizer state to the byte, for every rank. Two torchrun launches
 (tests/planning_worker.py). Deselect with
 ``-m 'not distributed'``.
 """
@@ -24,18 +25,27 @@ from test_distributed_training import (
 from k3_model.presets import preset
 from k3_trainer.planning import Options, ParallelLayout, gpu, inventory, make_plan
 from k3_trainer.planning.inventory import FIRST, LAST
+from k3_trainer.planning.layout import stage_blocks
 from k3_trainer.planning.memory import state_bytes
 
 pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 
 
+def _launch(out, ranks: int) -> list[dict]:
+    done = _run([TORCHRUN, "--standalone", "--nproc_per_node", str(ranks),
+                 TESTS / "planning_worker.py", out], timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    out = tmp_path_factory.mktemp("planning")
-    done = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2",
-                 TESTS / "planning_worker.py", out], timeout=180)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return _launch(tmp_path_factory.mktemp("planning"), 2)
+
+
+@pytest.fixture(scope="module")
+def measured4(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("planning4"), 4)
 
 
 @pytest.mark.parametrize("normuon", [False, True])
@@ -92,3 +102,49 @@ def test_context_parallel_ranks_hold_the_fsdp_shards_of_dp_times_cp(measured, no
     assert (stage.params_bytes, stage.grads_bytes, stage.optimizer_bytes) == (
         rank0["params"], rank0["grads"], rank0["optimizer"])
     assert [r["cp2" + suffix] for r in measured] == [r["fsdp2" + suffix] for r in measured]
+
+
+def _held(ranks: list[dict], key: str) -> list[tuple[int, int, int]]:
+    return [(r[key]["params"], r[key]["grads"], r[key]["optimizer"]) for r in ranks]
+
+
+@pytest.mark.parametrize("normuon", [False, True])
+def test_four_ranks_two_stages_over_two_data_ranks_to_the_byte(measured4, normuon):
+    """``--pp 2`` on 4 ranks (mesh ``(pp, dp)``: ranks 0, 1 hold stage 0, sharded over
+    dp 2; ranks 2, 3 stage 1): each stage's most loaded rank is the plan's stage, and
+    every rank holds what ``state_bytes`` says for its stage and shard."""
+    config = preset("tiny", **OVERRIDES)
+    inv = inventory(config)
+    options = Options(precision="fp32", normuon=normuon)
+    plan = make_plan(inv, ParallelLayout(dp=2, pp=2, microbatches=2, batch_size=2,
+                                         seq_len=16), gpu("h100"), options)
+    real = _held(measured4, "pp2xdp2" + ("+normuon" if normuon else ""))
+    planned = [(s.params_bytes, s.grads_bytes, s.optimizer_bytes) for s in plan.stages]
+    assert planned == [max(real[0:2]), max(real[2:4])]
+    first, last = stage_blocks(config.n_layers, 2)
+    halves = [set(first) | {FIRST}, set(last) | {LAST}]
+    for rank, held in enumerate(real):
+        stage, dp_rank = divmod(rank, 2)
+        expected = state_bytes(inv, halves[stage], shard=2, ep=1, precision="fp32",
+                               normuon=normuon, rank=dp_rank)
+        assert held == (expected.params, expected.grads, expected.optimizer), rank
+
+
+@pytest.mark.parametrize("normuon", [False, True])
+@pytest.mark.parametrize("name, ep", [("cp2xdp2", 1), ("cp2xdp2+ep2", 2)])
+def test_four_ranks_context_parallel_over_two_data_ranks_to_the_byte(measured4, name, ep,
+                                                                    normuon):
+    """``--cp 2`` on 4 ranks: FSDP2 shards over ``dp × cp`` = 4 (experts split over
+    ``ep`` and replicated over the rest); each rank holds its shard, rank 0 the plan's."""
+    config = preset("tiny", **OVERRIDES)
+    inv = inventory(config)
+    options = Options(precision="fp32", normuon=normuon)
+    (stage,) = make_plan(inv, ParallelLayout(dp=2, cp=2, ep=ep, seq_len=16), gpu("h100"),
+                         options).stages
+    real = _held(measured4, name + ("+normuon" if normuon else ""))
+    assert (stage.params_bytes, stage.grads_bytes, stage.optimizer_bytes) == real[0]
+    everything = set(range(config.n_layers)) | {FIRST, LAST}
+    for rank, held in enumerate(real):
+        expected = state_bytes(inv, everything, shard=4, ep=ep, precision="fp32",
+                               normuon=normuon, rank=rank)
+        assert held == (expected.params, expected.grads, expected.optimizer), rank
