@@ -22,9 +22,13 @@ fla's fused recurrent kernel when installed; eager steps checked for host syncs)
 then eager: tokens/s, MFU against the dense bf16 peak, peak memory), and
 ``expert_parallel`` (with 2 or more GPUs: FSDP2 against FSDP2 with the experts split over
 every GPU, at equal global batch, over NCCL: step time and the expert bytes each rank
-sends per step; skipped with one GPU), and ``checkpoint`` (the training stall per
-checkpoint, synchronous against ``async_checkpoint``, tiny and small in bf16: the stall,
-the time training was blocked, the write's time and the pinned memory the snapshot holds;
+sends per step; skipped with one GPU), ``pipeline`` (with 2 or more GPUs: the ``small``
+preset at ``--pipeline-parallel 2``, one stage per GPU, against one process at the same
+batch and microbatches: first-step fp32 loss agreement, bf16 step time against the ideal
+``p·m/(m+p−1)``, peak memory per rank; ``gpu_check_pp.py``), and ``checkpoint`` (the
+training stall per checkpoint, synchronous against ``async_checkpoint``, tiny and small in
+bf16: the stall, the time training was blocked, the write's time and the pinned memory
+the snapshot holds;
 target: background ≤ 0.15 × synchronous). Results, dated, are
 written after every measurement, so a run cut short still leaves its numbers; sections
 that would not fit in ``--time-limit`` are skipped and say so.
@@ -57,8 +61,9 @@ from k3_optim import MuonAdamW, newton_schulz
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
                     "A10G": 70.0, "RTX 4090": 165.0}
 SECTIONS = ("ns_correctness", "ns_throughput", "optimizer_step", "kda", "documents", "cp",
-            "decode", "train", "expert_parallel", "checkpoint")
-NEEDS_K3_MODEL = ("kda", "documents", "cp", "decode", "train", "expert_parallel", "checkpoint")
+            "decode", "train", "expert_parallel", "pipeline", "checkpoint")
+NEEDS_K3_MODEL = ("kda", "documents", "cp", "decode", "train", "expert_parallel", "pipeline",
+                  "checkpoint")
 TRAIN_RESERVE_S = 200.0  # what earlier sections leave for ``train`` when it is selected
 MFU_GOAL, NS_GOAL = 0.40, 0.90
 
@@ -310,6 +315,14 @@ def markdown(results: dict[str, Any]) -> str:
                      f"step {ep[f'ep{world}']['step_s'] * 1e3:.0f} vs "
                      f"{ep['ep1']['step_s'] * 1e3:.0f} ms ({ep['step_ratio_ep_to_fsdp']:.3f}×), "
                      f"expert bytes/rank/step {ep['bytes_ratio_ep_to_fsdp']:.3f}×", ""))
+    pp = results.get("pipeline", {})
+    if "speedup" in pp:
+        memory = pp.get("peak_memory_ratio")
+        rows.append((f"pipeline: {pp['settings']['preset']} at PP 2 (1F1B, "
+                     f"{pp['settings']['microbatches']} microbatches) vs one process",
+                     f"first loss fp32 rel diff {pp['first_loss_rel_diff']:.1e}, bf16 step "
+                     f"speed-up {pp['speedup']:.2f}× (ideal {pp['ideal_speedup']:.2f}×)"
+                     + ("" if memory is None else f", peak memory {memory:.2f}×"), "loss ≤ 1e-6"))
     for preset, row in results.get("checkpoint", {}).items():
         if isinstance(row, dict) and "stall_s" in row:
             rows.append((f"checkpoint stall, {preset}, background vs synchronous",
@@ -339,6 +352,7 @@ def _run_section(name: str, ctx: Context) -> bool:
             return True
         import gpu_check_cp  # this script's siblings; they import k3_model in their sections
         import gpu_check_k3
+        import gpu_check_pp
 
         fns: dict[str, Callable[[Context, dict[str, Any]], None]] = {
             "kda": gpu_check_k3.kda,
@@ -347,6 +361,7 @@ def _run_section(name: str, ctx: Context) -> bool:
             "decode": gpu_check_k3.decode,
             "train": lambda c, o: gpu_check_k3.train(c, o, peak_bf16_tflops(c.device)),
             "expert_parallel": gpu_check_k3.expert_parallel,
+            "pipeline": gpu_check_pp.pipeline,
             "checkpoint": gpu_check_k3.checkpoint}
     else:
         fns = {"ns_correctness": check_ns, "ns_throughput": ns_throughput,
