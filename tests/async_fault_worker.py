@@ -98,4 +98,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    from k3_trainer.torchrun import leave_worker
+
+    leave_worker(status)

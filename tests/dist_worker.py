@@ -34,6 +34,7 @@ from k3_trainer import (
 from k3_trainer.data import MixtureLoader, Source
 from k3_trainer.distributed import init_parallel, shutdown
 from k3_trainer.models import get_model_spec
+from k3_trainer.torchrun import leave_worker
 
 
 def _rng_digest() -> str:
@@ -247,4 +248,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_worker(main())

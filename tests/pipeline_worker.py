@@ -22,6 +22,7 @@ from k3_trainer.data.documents import document_ids
 from k3_trainer.distributed import clip_grad_norm, init_parallel, shutdown
 from k3_trainer.models import get_model_spec
 from k3_trainer.pipeline import Pipeline
+from k3_trainer.torchrun import leave_worker
 
 MODEL = preset("tiny", d_model=64, n_heads=2, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, d_ff=96, moe_d_ff=32, moe_latent_dim=32,
@@ -126,3 +127,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_worker()

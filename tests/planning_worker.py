@@ -28,6 +28,7 @@ from k3_trainer.models import get_model_spec
 from k3_trainer.optim import build_optimizer
 from k3_trainer.pipeline import Pipeline
 from k3_trainer.planning.measure import state_nbytes
+from k3_trainer.torchrun import leave_worker
 
 LAYOUTS = {
     2: {"fsdp2": (1, 1, 1), "fsdp2+ep2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)},
@@ -81,3 +82,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_worker()

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 import k3_checkpoint
 from k3_trainer.checkpoint import sharded
 from k3_trainer.distributed import Parallel
+from k3_trainer.torchrun import leave_worker
 
 METADATA = {"run": "dcp"}
 POLICY = k3_checkpoint.CompatibilityPolicy()
@@ -186,3 +187,4 @@ def main(out: Path, root: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+    leave_worker()

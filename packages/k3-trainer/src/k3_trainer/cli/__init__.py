@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,7 +27,7 @@ from typing import Any, NoReturn
 from ..config import ConfigError, TrainConfig
 from ..models import DEFAULT_MODEL, ModelSpec, get_model_spec
 from ..record import RunRecord
-from ..torchrun import launched_by_torchrun, launched_rank
+from ..torchrun import launched_by_torchrun, launched_rank, leave_worker
 from .flags import add_config_flags, add_option_flags, options_from, shown
 from .launch import prog_name, relaunch
 from .options import COMMANDS, MODEL_FLAG, TRAIN_FLAG, TrainCommand
@@ -108,20 +107,8 @@ def _model_of(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     status = _main(argv)
     if argv is None and launched_by_torchrun():  # a worker process of its own
-        _leave_now(status)
+        leave_worker(status)  # the gloo exit abort: see leave_worker
     return status
-
-
-def _leave_now(status: int) -> None:
-    """End a torchrun worker without the interpreter's teardown, once its session is over
-    (the process group destroyed, every file closed and flushed). A gloo group can outlive
-    ``destroy_process_group`` while something in C++ still holds it, and its threads then
-    meet the interpreter's exit: std::terminate ("terminate called without an active
-    exception", SIGABRT) after a complete run, seen about once in ten 4-process launches
-    under load. ``os._exit`` skips that teardown; nothing of the run is left to it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _main(argv: list[str] | None) -> int:
