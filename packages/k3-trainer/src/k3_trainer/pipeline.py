@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 
 from .config import TrainConfig
-from .planning.layout import microbatches, stage_blocks
 
 if TYPE_CHECKING:
     from k3_qkclip import QKClipPolicy
@@ -45,6 +44,10 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, hooks: PipelineHooks, parallel: Parallel,
                  config: TrainConfig) -> None:
+        # Here, not at the top: the planning package loads k3_model and the model
+        # inventory, which importing the trainer does not need.
+        from .planning.layout import microbatches, stage_blocks
+
         self.parallel, self.config, self.hooks = parallel, config, hooks
         self.count = microbatches(config)
         pp = parallel.pipeline
