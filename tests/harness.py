@@ -137,6 +137,19 @@ def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
     return refusal_lines(result.stderr)
 
 
+def rank_errors(stderr: str) -> dict[int, str]:
+    """``{rank: message}`` of a torchrun launch's ``k3-train[rank R]: error: message`` lines
+    (two ranks writing to one pipe at once may run their lines together). A rank can be
+    missing: when one rank exits first, torchrun terminates the others, so which ranks
+    report a refusal every rank makes is a race."""
+    said = {}
+    for part in stderr.split("k3-train[rank ")[1:]:
+        rank, _, rest = part.partition("]: error: ")
+        if rank.isdigit() and rest:
+            said[int(rank)] = rest.split("\n", 1)[0]
+    return said
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess[str], match: str,
                           code: int | None = None) -> str:
     """Non-zero exit, exactly one stderr line starting with ``k3-train:``, no traceback."""
