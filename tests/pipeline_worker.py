@@ -1,7 +1,8 @@
 """One rank of a pipeline-parallel test run (``torchrun ... pipeline_worker.py``), or the
 one-process reference (``--reference``): a small K3 (KDA + MLA + Attention Residuals +
 LatentMoE, documents kept apart) trained a few MuonAdamW steps with gradient clipping,
-through ``k3_trainer.pipeline.Pipeline`` or plain gradient accumulation over the same
+through ``k3_trainer.pipeline.Pipeline`` (its routed experts split over each stage's data
+ranks with ``--expert-parallel``) or plain gradient accumulation over the same
 microbatches. Saves the losses and this rank's weights and buffers to ``OUT/rank{R}.pt``.
 
 Test code only; the package never imports it.
@@ -62,6 +63,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--float64", action="store_true",
+                        help="parameters and Newton–Schulz in float64 (rounding out of the way)")
+    parser.add_argument("--expert-parallel", type=int, default=1,
+                        help="split each stage's routed experts over this many data ranks")
     parser.add_argument("--data-ranks", type=int, default=1,
                         help="reference: microbatches composed as D data ranks' would be")
     args = parser.parse_args()
@@ -71,12 +76,15 @@ def main() -> None:
                          max_steps=args.steps,
                          pipeline_parallel=pipeline_degree, pp_schedule=args.schedule,
                          pp_microbatches=None if args.reference else args.microbatches,
-                         pp_stages_per_rank=1 if args.reference else args.stages_per_rank)
+                         pp_stages_per_rank=1 if args.reference else args.stages_per_rank,
+                         muon_ns_dtype="fp64" if args.float64 else "auto")
     # One thread, as torchrun gives each rank: a matmul's blocking (hence its rounding)
     # depends on the thread count.
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = K3Model(MODEL)
+    if args.float64:
+        model.double()
     model.train()
     parallel, pipeline = None, None
     if not args.reference:
@@ -86,6 +94,7 @@ def main() -> None:
         assert hooks is not None
         pipeline = Pipeline(model, hooks, parallel, config)
         spec = get_model_spec("k3")
+        parallel.shard_experts(model, args.expert_parallel, spec.expert_parallel)
         if spec.set_token_gather is not None:  # the balancer sees every data rank's rows
             spec.set_token_gather(model, parallel.gather_rows)
         parallel.wrap(model, pipeline.modules)
@@ -109,6 +118,8 @@ def main() -> None:
                 (loss / m).backward()
                 total += float(loss.detach()) / m
             losses.append(total)
+        if parallel is not None:  # the expert gradients become the data-parallel mean
+            parallel.finish_gradients(model)
         norms.append(float(clip_grad_norm(list(model.parameters()), MAX_NORM, parallel,
                                           None if pipeline is None else pipeline.slots)))
         optimizer.step()

@@ -32,7 +32,8 @@ from k3_trainer.torchrun import leave_worker
 
 LAYOUTS = {
     2: {"fsdp2": (1, 1, 1), "fsdp2+ep2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)},
-    4: {"pp2xdp2": (1, 2, 1), "cp2xdp2": (1, 1, 2), "cp2xdp2+ep2": (2, 1, 2)},
+    4: {"pp2xdp2": (1, 2, 1), "pp2xdp2+ep2": (2, 2, 1), "cp2xdp2": (1, 1, 2),
+        "cp2xdp2+ep2": (2, 1, 2)},
 }
 """Per world size, name: (expert parallel, pipeline stages, context parallel)."""
 OVERRIDES = {"vocab_size": 251}

@@ -7,11 +7,18 @@ parameter equal to the checkpoint's, and that folder starts a one-process run
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_bitwise_equal, k3_train, toml_text
+from harness import (
+    NARROW_TINY_MODEL,
+    assert_bitwise_equal,
+    assert_one_line_error,
+    k3_train,
+    toml_text,
+)
 from test_distributed_checkpoints import _final_state, _torchrun
 from test_distributed_training import distributed, needs_torchrun, one_launch_at_a_time
 
@@ -85,13 +92,21 @@ def test_a_pipeline_checkpoint_loads_whole_into_one_process(continuous, data_dir
 
 
 def test_a_pipeline_run_sharded_over_data_ranks_resumes_bitwise(data_dir, config, tmp_path):
-    """PP 2 × FSDP2 2 (4 processes): each stage's shards and optimizer state, resumed."""
+    """PP 2 × FSDP2 2 × EP 2 (4 processes): each stage's shards, its experts split over
+    its data ranks, and the optimizer state, resumed; the checkpoint keys every expert by
+    its global index, whole in one process."""
     continuous, interrupted = tmp_path / "continuous", tmp_path / "interrupted"
-    _torchrun4(*_cli(data_dir, config, continuous, "--max-steps", STEPS))
-    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", 2))
-    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", STEPS, "--resume"))
+    experts = ("--expert-parallel", 2)
+    _torchrun4(*_cli(data_dir, config, continuous, "--max-steps", STEPS, *experts))
+    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", 2, *experts))
+    _torchrun4(*_cli(data_dir, config, interrupted, "--max-steps", STEPS, "--resume",
+                     *experts))
     a, b = _final_state(continuous, tmp_path), _final_state(interrupted, tmp_path)
-    assert a["data_parallel"] == {"mode": "fsdp", "world_size": 4, "pp": 2, "dp": 2}
+    assert a["data_parallel"] == {"mode": "fsdp", "world_size": 4, "expert_parallel": 2,
+                                  "pp": 2, "dp": 2}
+    # Two blocks, the first dense: stage 0 holds no MoE layer and splits nothing.
+    stacks = [value for name, value in a["model"].items() if name.endswith("experts.w_up")]
+    assert len(stacks) == 1 and stacks[0].shape[0] == NARROW_TINY_MODEL.n_experts  # whole
     assert_bitwise_equal(a, b)
 
 
@@ -112,3 +127,22 @@ def test_activation_checkpointing_under_stages_changes_nothing(continuous, data_
     started = [e for e in read_events(run_dir / "metrics.jsonl")
                if e["event"] == "session_start"]
     assert started[0]["activation_checkpointing"] == "block"
+
+
+def test_a_pipeline_run_resumed_at_another_pp_is_refused_in_one_line(continuous, data_dir,
+                                                                    tmp_path):
+    """The stages are part of the recorded layout: ``--resume`` in one process refuses a
+    ``--pp 2`` run in one line naming what differs, and ``--allow-runtime-change`` does
+    not make it continue either: each stage numbers its own optimizer groups, so the
+    state continues only at ``--pp 2`` (the weights go anywhere: ``eval`` and ``export``
+    above). Nothing is written."""
+    alone = tmp_path / "alone"
+    shutil.copytree(continuous, alone, symlinks=True)
+    before = (alone / "metrics.jsonl").read_bytes()
+    args = ["train", "--run-dir", alone, "--resume", "--device", "cpu", "--data", data_dir,
+            "--max-steps", STEPS + 1, "--pp", 1]
+    assert_one_line_error(k3_train(*args), "data_parallel", code=2)
+    refused = k3_train(*args, "--allow-runtime-change")
+    assert_one_line_error(refused, "saved at --pp 2, resumed at --pp 1", code=2)
+    assert "resume with --pp 2" in refused.stderr
+    assert (alone / "metrics.jsonl").read_bytes() == before

@@ -114,3 +114,16 @@ def test_a_rank_whose_experts_get_no_tokens(tmp_path, ep_config):
             assert chosen[0].max() < 2  # experts 0 and 1 only
     idle = {n: g for n, g in ranks[1]["grads"].items() if ".experts." in n}
     assert idle and all(torch.count_nonzero(g) == 0 for g in idle.values())  # zero, not None
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((4, 3, "cpu"), "needs a world size divisible by it, got 4"),
+    ((4, 4, "cpu", 2), "needs each stage's 2 ranks divisible by it"),
+    ((4, 2, "cpu", 3), "3 pipeline stages need a world size divisible by them"),
+])
+def test_an_expert_mesh_that_cannot_be_carved_is_refused_before_any_group(args, message):
+    """Checked before ``init_device_mesh``: no process group is needed to be told."""
+    from k3_model.expert_parallel import expert_mesh
+
+    with pytest.raises(ValueError, match=message):
+        expert_mesh(*args)

@@ -27,7 +27,7 @@ def _tiny():
     ({}, "none", 1, 4, "--pipeline-parallel 2 needs --parallel fsdp"),
     ({}, "fsdp", 3, 4, "the world size 3 is not dp·cp·pp = 1·1·2 = 2; the processes must be "
                        "a multiple of cp·pp = 2"),
-    ({"expert_parallel": 2}, "fsdp", 2, 4, "--pipeline-parallel with --expert-parallel"),
+    ({"expert_parallel": 2}, "fsdp", 2, 4, "ep (2) must divide dp·cp (1)"),  # per stage
     ({}, "fsdp", 2, 1, "2 stages but the model has 1 decoder blocks"),
     ({}, "fsdp", 2, None, "but the model has 0 decoder blocks"),
     ({"pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2}, "fsdp", 2, 3,
@@ -65,6 +65,7 @@ def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world,
     ({"pipeline_parallel": 1}, 1, 1), ({"pipeline_parallel": 1}, 1, None),
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 64}, 4, 4),
     ({"pipeline_parallel": 1, "context_parallel": 2, "expert_parallel": 4}, 4, 4),
+    ({"expert_parallel": 2}, 4, 4),  # Kimi K2's shape: stages × experts × data
 ])
 def test_a_layout_that_works_passes(fields, world, layers):
     check_launch(_config(**fields), "fsdp" if world > 1 else "none", world, n_blocks=layers)

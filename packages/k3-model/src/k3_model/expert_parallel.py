@@ -4,7 +4,8 @@ layer's routed experts, and the tokens travel to the experts they were routed to
 The experts live on a :class:`~torch.distributed.device_mesh.DeviceMesh` whose last
 dimension is the expert group (``N`` ranks) and whose other dimension, if any, holds the
 replicas of each slice (world = replicas × N, torchtitan's EP folded into data
-parallelism). Rank r of an expert group holds experts ``[r·E/N, (r+1)·E/N)``: each
+parallelism; under pipeline stages the mesh spans one stage's ranks, world = stages ×
+replicas × N). Rank r of an expert group holds experts ``[r·E/N, (r+1)·E/N)``: each
 stack is a DTensor of the global shape ``(E, out, in)``, ``Shard(0)`` over the expert
 group and ``Replicate()`` over the replicas, so a checkpoint keys every expert by its
 global index and torch's distributed checkpoint reshards it to any other layout.
@@ -17,9 +18,9 @@ split sizes from the router's counts; the receiving rank runs its local experts 
 summed per token exactly as in the one-process layer. Each exchange's backward is the
 same exchange in reverse (:class:`_Exchange`, on ``torch.distributed``'s public
 ``all_to_all_single``), so each local expert's gradient sums the expert group's tokens;
-:func:`reduce_gradients` adds the replicas' and divides by the world size, which makes it
-the data-parallel mean the other parameters get. No token is dropped: there is no
-capacity factor, every assignment is computed.
+:func:`reduce_gradients` adds the replicas' and divides by the mesh's size (the world, or
+the stage's ranks), which makes it the data-parallel mean the other parameters get. No
+token is dropped: there is no capacity factor, every assignment is computed.
 
 The split sizes are the only host reads dispatch adds: one read of the per-expert counts
 each rank receives, per MoE layer per forward. The router, the balancer and the shared
@@ -150,17 +151,31 @@ def _exchange(rows: Tensor, send: list[int], receive: list[int],
     return out
 
 
-def expert_mesh(world_size: int, expert_parallel: int, device_type: str) -> DeviceMesh:
-    """The ``(replicas, N)`` mesh (dims ``"ep_replicate"``, ``"ep"``) over ``world_size``
-    ranks: consecutive ranks form an expert group, so on a multi-GPU node the all-to-alls
-    stay inside the node."""
+def expert_mesh(world_size: int, expert_parallel: int, device_type: str,
+                stages: int = 1) -> DeviceMesh:
+    """The ``(replicas, N)`` mesh (dims ``"ep_replicate"``, ``"ep"``) of this rank's experts:
+    consecutive ranks form an expert group, so on a multi-GPU node the all-to-alls stay
+    inside the node. With ``stages`` pipeline stages (``world = stages × ranks per stage``,
+    each stage's ranks consecutive, the stage outermost) it spans this rank's stage only:
+    each stage holds other layers, whose experts meet no other stage's."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if expert_parallel < 1 or world_size % expert_parallel:
-        raise ValueError(f"expert parallelism of {expert_parallel} needs a world size "
-                         f"divisible by it, got {world_size}")
-    return init_device_mesh(device_type, (world_size // expert_parallel, expert_parallel),
-                            mesh_dim_names=("ep_replicate", "ep"))
+    if stages < 1 or world_size % stages:
+        raise ValueError(f"{stages} pipeline stages need a world size divisible by them, "
+                         f"got {world_size}")
+    per_stage = world_size // stages
+    if expert_parallel < 1 or per_stage % expert_parallel:
+        raise ValueError(f"expert parallelism of {expert_parallel} needs "
+                         + (f"a world size divisible by it, got {world_size}" if stages == 1
+                            else f"each stage's {per_stage} ranks divisible by it"))
+    names = ("ep_replicate", "ep")
+    if stages == 1:
+        return init_device_mesh(device_type, (per_stage // expert_parallel, expert_parallel),
+                                mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, (stages, per_stage // expert_parallel,
+                                          expert_parallel),
+                            mesh_dim_names=("pp", *names))
+    return mesh[names]
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh) -> int:
@@ -186,9 +201,9 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 @torch.no_grad()
 def reduce_gradients(model: nn.Module) -> None:
     """Turn every expert gradient into the data-parallel mean: sum over the replicas of
-    its slice (one all-reduce of all of them) and divide by the world size (the mesh's
-    size), as FSDP2 and DDP average the other parameters. Call once per update, after the
-    last backward and before unscaling, clipping or stepping."""
+    its slice (one all-reduce of all of them) and divide by the mesh's size (every rank
+    holding these layers), as FSDP2 and DDP average the other parameters. Call once per
+    update, after the last backward and before unscaling, clipping or stepping."""
     layers = sharded_experts(model)
     grads: list[Tensor] = [p.grad.to_local()  # type: ignore[attr-defined]
                            for m in layers for p in m.parameters(recurse=False)

@@ -118,8 +118,10 @@ class Parallel:
                       experts: ExpertParallel | None) -> None:
         """Keep ``n_experts/degree`` routed experts of every MoE layer on this rank (in
         place, before :meth:`wrap`), through the model's own hooks ``experts`` (its spec's;
-        None: the model cannot split its experts); ``degree`` 1 does nothing. Raises
-        ``ConfigError`` for a layout that cannot work."""
+        None: the model cannot split its experts); ``degree`` 1 does nothing. Under
+        pipeline stages, after the cut: the groups are carved from each stage's ranks, and
+        a stage without an MoE layer (a dense first block) joins the mesh with nothing to
+        split. Raises ``ConfigError`` for a layout that cannot work."""
         if degree == 1:
             return
         if self.mode != "fsdp":
@@ -128,13 +130,23 @@ class Parallel:
         if self.world_size % degree:
             raise ConfigError(f"--expert-parallel {degree} must divide the world size "
                               f"{self.world_size} (--nproc × nodes)")
+        if (self.world_size // self.pipeline) % degree:
+            raise ConfigError(f"--expert-parallel {degree} must divide each stage's "
+                              f"{self.world_size // self.pipeline} ranks")
         count = 0 if experts is None else experts.n_experts(model)
+        if experts is not None and self.pipeline > 1:  # a stage may hold no MoE layer
+            count = int(self._all_reduce(torch.tensor([float(count)]), dist.ReduceOp.MAX,
+                                         self.pipeline_group)[0])
         if experts is None or not count:
             raise ConfigError(f"--expert-parallel {degree}: the model has no MoE layer "
                               "whose experts it can split")
         if count % degree:
             raise ConfigError(f"--expert-parallel {degree} must divide n_experts ({count})")
-        experts.shard(model, self.world_size, degree, self.device.type)
+        if self.pipeline > 1:  # the expert groups are carved from each stage's ranks
+            experts.shard(model, self.world_size, degree, self.device.type,
+                          stages=self.pipeline)
+        else:
+            experts.shard(model, self.world_size, degree, self.device.type)
         self.expert_parallel, self._experts = degree, experts
 
     def finish_gradients(self, model: nn.Module) -> None:
@@ -156,24 +168,27 @@ class Parallel:
         Under pipeline stages the schedule calls each stage's forward module (``stages``),
         not the model: FSDP2 shards each block, then each stage module as a root, over the
         ``dp`` dimension, keeping parameters gathered between microbatches; with one data
-        rank nothing is sharded."""
+        rank nothing is sharded. Expert-parallel experts are sharded by expert already, on
+        their own mesh: FSDP2 leaves them out."""
+        ignored: set[nn.Parameter] = set()
+        if self._experts is not None:
+            ignored = set(self._experts.parameters(model))
         if stages is not None:
             if self.data_parallel > 1:
                 from torch.distributed.fsdp import fully_shard
 
                 mesh = self.mesh["dp"]
                 for block in read_contract(model).blocks():
-                    fully_shard(block, mesh=mesh, reshard_after_forward=False)
+                    fully_shard(block, mesh=mesh, reshard_after_forward=False,
+                                ignored_params=ignored)
                 for stage in stages:
-                    fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+                    fully_shard(stage, mesh=mesh, reshard_after_forward=False,
+                                ignored_params=ignored)
             self.module = model
             return model
         if self.mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            ignored: set[nn.Parameter] = set()
-            if self._experts is not None:  # sharded by expert already, on their own mesh
-                ignored = set(self._experts.parameters(model))
             for block in read_contract(model).blocks():
                 if block is not model:
                     fully_shard(block, ignored_params=ignored)

@@ -81,7 +81,11 @@ class Pipeline:
         rows = config.batch_size // self.count
         stages: list[Any] = []
         for module, s in zip(self.modules, self.indices, strict=True):
-            inputs, outputs = module.example_io(rows, config.seq_len)  # type: ignore[operator]
+            # What crosses a boundary has the parameters' dtype (autocast's matmuls add
+            # into that residual stream).
+            dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
+            inputs, outputs = module.example_io(  # type: ignore[operator]
+                rows, config.seq_len, dtype)
             stages.append(pipelining.PipelineStage(
                 module, s, self.total, parallel.device, group=parallel.pipeline_group,
                 input_args=inputs, output_args=outputs))

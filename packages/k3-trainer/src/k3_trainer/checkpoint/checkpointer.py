@@ -181,7 +181,9 @@ class Checkpointer:
         untouched when anything is incompatible. ``allow_runtime_change`` accepts another
         torch version, CUDA version, device or thread count and another data-parallel
         layout, and reports what changed. A sharded checkpoint loads into any layout, one
-        process included; a single file loads under one process and DDP. ``new_phase``
+        process included (its optimizer state only under the pipeline degree it was saved
+        at: each stage numbers its own groups); a single file loads under one process and
+        DDP. ``new_phase``
         accepts a changed decay (:data:`~k3_trainer.checkpoint.compatibility.PHASE_MAY_CHANGE`).
         """
         path = resolve_checkpoint(Path(path))

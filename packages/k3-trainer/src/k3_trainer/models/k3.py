@@ -47,10 +47,11 @@ def _n_experts(model: nn.Module) -> int:
     return layers[0].experts.n_experts if layers else 0
 
 
-def _shard(model: nn.Module, world_size: int, degree: int, device_type: str) -> None:
+def _shard(model: nn.Module, world_size: int, degree: int, device_type: str,
+           stages: int = 1) -> None:
     from k3_model.expert_parallel import expert_mesh, shard_experts
 
-    shard_experts(model, expert_mesh(world_size, degree, device_type))
+    shard_experts(model, expert_mesh(world_size, degree, device_type, stages))
 
 
 def _expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -34,9 +34,12 @@ class ExpertParallel:
 
     n_experts: Callable[[nn.Module], int]
     """The routed experts of each MoE layer (0: the model has no MoE layer)."""
-    shard: Callable[[nn.Module, int, int, str], None]
-    """``shard(model, world_size, degree, device_type)``: keep this rank's ``1/degree`` of
-    every MoE layer's experts, in place, before the model is wrapped."""
+    shard: Callable[..., None]
+    """``shard(model, world_size, degree, device_type, stages=1)``: keep this rank's
+    ``1/degree`` of every MoE layer's experts, in place, before the model is wrapped; with
+    ``stages`` pipeline stages (each stage's ``world_size / stages`` ranks consecutive),
+    the expert groups are carved from this rank's stage. A hook without ``stages`` runs
+    every layout but pipeline stages."""
     parameters: Callable[[nn.Module], list[nn.Parameter]]
     """The sharded expert parameters (kept out of FSDP2, on their own mesh)."""
     reduce_gradients: Callable[[nn.Module], None]

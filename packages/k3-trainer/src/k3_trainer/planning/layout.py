@@ -152,8 +152,8 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
                  model_config: Any = None) -> None:
     """Refuse, in one :class:`~k3_trainer.config.ConfigError` line, a layout ``k3-train
     train`` cannot launch, before any process group exists: what this trainer does not
-    run (stages or context parallelism without FSDP2, pipeline stages beside expert or
-    context parallelism, in-loop downstream tasks under context parallelism, a model
+    run (stages or context parallelism without FSDP2, pipeline stages beside context
+    parallelism, in-loop downstream tasks under context parallelism, a model
     without the hooks), then :func:`validate_layout`, the planner's own decision, on the
     layout ``world_size`` processes make of ``config`` (``mode`` none/ddp/fsdp)."""
     pp, per_rank, cp = config.pipeline_parallel, config.pp_stages_per_rank, config.context_parallel
@@ -164,9 +164,6 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
         if degree > 1 and mode != "fsdp":
             raise ConfigError(f"{flag} {degree} needs --parallel fsdp (FSDP2 shards the "
                               "parameters over the data ranks; DDP is not supported with it)")
-    if pp > 1 and config.expert_parallel > 1:
-        raise ConfigError("--pipeline-parallel with --expert-parallel is not supported yet; "
-                          "drop one of them")
     if pp > 1 and cp > 1:
         raise ConfigError("--context-parallel with --pipeline-parallel is not supported yet; "
                           "drop one of them")

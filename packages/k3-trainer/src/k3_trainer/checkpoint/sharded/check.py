@@ -56,6 +56,8 @@ class Expected:
     stage: int | None = None
     """This rank's pipeline rank under pipeline stages (None: the whole model here): the
     folder holds every stage's tensors and layouts, this rank checks its own."""
+    pipeline: int = 1
+    """The live run's pipeline ranks (``--pp``)."""
 
 
 class ShardIndex:
@@ -147,11 +149,17 @@ def _check_record(saved: Mapping[str, Any], folder: Path, expected: Expected | N
             raise ValueError(f"{name} class: checkpoint {record.get('type')}, current "
                              f"{live['type']}")
         saved_layout = record.get("layout")
+        stages = record.get("stages")
+        saved_pp = len(stages) if isinstance(stages, list) else 1
+        if saved_pp != expected.pipeline:
+            # Each stage numbers its own parameter groups: another cut has other groups.
+            raise ValueError(
+                f"{name}: saved at --pp {saved_pp}, resumed at --pp {expected.pipeline}; "
+                f"its state continues only at --pp {saved_pp} (resume with --pp "
+                f"{saved_pp}, or start a new run from its weights: k3-train export, then "
+                "train --init-from)")
         if expected.stage is not None:
-            stages = record.get("stages")
-            if not isinstance(stages, list) or len(stages) <= expected.stage:
-                raise ValueError(f"{name}: the checkpoint records no layout for pipeline "
-                                 f"stage {expected.stage} (not saved at this --pp)")
+            assert isinstance(stages, list)
             saved_layout = stages[expected.stage]
         _check_layout(name, saved_layout, live["layout"])
 

@@ -69,7 +69,7 @@ def read_sharded(folder: Path, states: Mapping[str, Any], metadata: Mapping[str,
             OPTIMIZER: optimizer_record(optimizer, model)},
         tensors=live_tensors(model, optimizer), others=[name for name, _ in others],
         stage=parallel.pipeline_rank if parallel is not None and parallel.pipeline > 1
-        else None)
+        else None, pipeline=1 if parallel is None else parallel.pipeline)
     index = ShardIndex(folder, expected=expected, parallel=parallel)
     # The one rollback: every component read through load_state_dict and the RNG, as now.
     snapshot = Snapshot({k: v for k, v in states.items() if k not in TENSOR_COMPONENTS})
