@@ -184,8 +184,6 @@ def test_a_mixture_s_loss_by_source_matches_one_process(config, code_dir, data_d
      "--context-parallel with --pipeline-parallel is not supported"),
     (["--parallel", "fsdp", "--context-parallel", 4], "less than one KDA chunk (16)"),
     (["--parallel", "fsdp", "--cp", 2], "the world size 1 is not dp·cp·pp"),
-    (["--parallel", "fsdp", "--cp", 2, "--downstream", "arc_easy"],
-     "with --context-parallel > 1 score the checkpoints afterwards"),
 ])
 def test_layouts_that_cannot_run_are_refused_in_one_line(flags, message, config, code_dir,
                                                          tmp_path):

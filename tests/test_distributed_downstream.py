@@ -1,7 +1,8 @@
 """Downstream tasks in a 2-rank run (torchrun, gloo): each rank scores a share of the
 documents and the sums are combined, so the numbers equal one process scoring the same
 checkpoint (``k3-train eval --tasks``); under FSDP2 the shards are gathered for the
-evaluation and training goes on sharded. Deselect with ``-m 'not distributed'``."""
+evaluation and training goes on sharded, under context parallelism on slices. Deselect
+with ``-m 'not distributed'``."""
 
 from __future__ import annotations
 
@@ -20,16 +21,22 @@ STEPS, LIMIT = 4, 6
 
 @pytest.mark.distributed
 @needs_torchrun
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-cp2"])
 def test_two_ranks_score_the_tasks_as_one_process_does(parallel, tmp_path, data_dir):
+    """``fsdp-cp2``: context parallelism 2, where training runs on half-rows and each rank
+    scores whole documents of its share through the decoding path, which context
+    parallelism does not slice (the training losses are unchanged)."""
+    mode, *context = parallel.split("-cp")
+    layout = {"seq_len": 64, "context_parallel": int(context[0])} if context else {}
+
     def train(name: str, **downstream: object) -> tuple[Path, list[dict]]:
         config = tmp_path / f"{name}.toml"
         config.write_text(toml_text(train={"batch_size": 2, "checkpoint_interval": 2,
-                                           **downstream}))
+                                           **layout, **downstream}))
         run_dir = tmp_path / name
         done = _run([sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", run_dir,
                      "--data", data_dir, "--config", config, "--max-steps", STEPS,
-                     "--parallel", parallel, "--nproc", 2], timeout=300)
+                     "--parallel", mode, "--nproc", 2], timeout=300)
         assert done.returncode == 0, done.stderr[-4000:]
         return run_dir, [json.loads(line) for line in
                          (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -41,8 +41,8 @@ def _tiny():
     ({"pipeline_parallel": 1, "context_parallel": 2}, "ddp", 2, 4,
      "--context-parallel 2 needs --parallel fsdp"),
     ({"context_parallel": 2}, "fsdp", 4, 4, "--context-parallel with --pipeline-parallel"),
-    ({"pipeline_parallel": 1, "context_parallel": 2, "downstream": "arc_easy"}, "fsdp", 2, 4,
-     "with --context-parallel > 1 score the checkpoints afterwards"),
+    ({"downstream": "arc_easy"}, "fsdp", 2, 4,
+     "with --pipeline-parallel > 1 score the checkpoints afterwards"),
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 63}, "fsdp", 2, 4,
      "seq_len (63) is not divisible by cp (2)"),
     ({"pipeline_parallel": 1, "context_parallel": 2}, "fsdp", 3, 4,
@@ -66,6 +66,8 @@ def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world,
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 64}, 4, 4),
     ({"pipeline_parallel": 1, "context_parallel": 2, "expert_parallel": 4}, 4, 4),
     ({"expert_parallel": 2}, 4, 4),  # Kimi K2's shape: stages × experts × data
+    ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 64, "downstream": "arc_easy"},
+     2, 4),
 ])
 def test_a_layout_that_works_passes(fields, world, layers):
     check_launch(_config(**fields), "fsdp" if world > 1 else "none", world, n_blocks=layers)

@@ -231,6 +231,14 @@ def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:
             "with --expert-parallel > 1 score the checkpoints afterwards "
             "(k3-train eval --tasks)"
         )
+    if config.context_parallel > 1 and not hasattr(trainer.model, "score_continuations"):
+        # Its plain forward takes this rank's slice of every row; each rank scores
+        # whole documents of its own share, which only the decoding path does.
+        raise ConfigError(
+            "--downstream with --context-parallel > 1 needs a model that scores through "
+            "its decoding path (score_continuations); score the checkpoints afterwards "
+            "(k3-train eval --tasks)"
+        )
     vocab = trainer.contract.vocab_size
     if vocab is None:
         raise ConfigError("--downstream: the model declares no vocab_size")
