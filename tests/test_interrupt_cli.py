@@ -1,8 +1,8 @@
 """Ctrl-C and SIGTERM through ``k3-train train``: the session stops at an update boundary,
 saves there, says so in one line, exits 130/143, and ``--resume`` ends bitwise equal to
 the uninterrupted run — one process (Ctrl-C), and 2 ranks under torchrun (SIGTERM to one
-rank: every rank stops at the same step). Both signals in one process, with their exit
-statuses: packages/k3-trainer/tests/test_interrupt.py."""
+rank: every rank stops at the same step), data-parallel or two pipeline stages. Both
+signals in one process, with their exit statuses: packages/k3-trainer/tests/test_interrupt.py."""
 
 from __future__ import annotations
 
@@ -99,11 +99,16 @@ def test_an_interrupt_before_training_names_no_checkpoint(tmp_path, data_dir, sm
 
 @distributed
 @needs_torchrun
-def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_dir, small_toml):
-    """SIGTERM reaches one rank only (as when one node is preempted first): both ranks
-    agree on the step, the run is saved there, and the resume ends as the uninterrupted
-    run does."""
-    flags = [*_flags(data_dir, small_toml), "--parallel", "ddp", "--batch-size", "2"]
+@pytest.mark.parametrize("layout", [("--parallel", "ddp"), ("--parallel", "fsdp", "--pp", "2")],
+                         ids=["ddp", "pp2"])
+def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_dir, small_toml,
+                                                                layout):
+    """SIGTERM reaches one rank only (as when one node is preempted first): both ranks (or
+    both pipeline stages, rank 1 holding the last) agree on the step, the run is saved
+    there (sharded under stages), and the resume ends as the uninterrupted run does."""
+    from test_distributed_checkpoints import _final_state
+
+    flags = [*_flags(data_dir, small_toml), *layout, "--batch-size", "2"]
     reference = tmp_path / "reference"
     done = k3_train("train", "--run-dir", reference, *flags, "--nproc", 2)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -122,14 +127,14 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
     rank1 = _rank_pid(process.pid, rank=1)
     subprocess.run(["kill", "-TERM", str(rank1)], check=True)
     out, err = process.communicate(timeout=300)
-    step = read_payload(latest_checkpoint(run))["counters"]["step"]
+    step = _final_state(run, tmp_path)["counters"]["step"]
     assert f"interrupted at step {step}; checkpoint saved" in err, err[-3000:]
     ends = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "session_end"]
     assert ends[-1]["step"] == step and ends[-1]["interrupted"] == "SIGTERM"
     resumed = k3_train("train", "--run-dir", run, "--resume", *flags, "--nproc", 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_bitwise_equal(read_payload(latest_checkpoint(reference)),
-                         read_payload(latest_checkpoint(run)))
+    assert_bitwise_equal(_final_state(reference, tmp_path),
+                         _final_state(run, tmp_path))
 
 
 @distributed

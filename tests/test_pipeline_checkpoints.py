@@ -146,3 +146,29 @@ def test_a_pipeline_run_resumed_at_another_pp_is_refused_in_one_line(continuous,
     assert_one_line_error(refused, "saved at --pp 2, resumed at --pp 1", code=2)
     assert "resume with --pp 2" in refused.stderr
     assert (alone / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_mixture_s_loss_by_source_under_stages_matches_one_process(data_dir, code_dir,
+                                                                     config, tmp_path):
+    """The last stage splits each microbatch's target losses by their rows' sources (the
+    microbatches are consecutive rows): every logged source's loss is one process's,
+    which accumulates the same two microbatches (the MoE balancer updates per forward)."""
+    mixture = ["--data", f"code={code_dir}:0.7", "--data", f"docs={data_dir}:0.3"]
+    one, staged = tmp_path / "one", tmp_path / "pp"
+    accumulated = tmp_path / "accumulated.toml"
+    accumulated.write_text(toml_text(train={"batch_size": 2, "gradient_accumulation_steps": 2,
+                                            "checkpoint_interval": 2}))
+    alone = k3_train("train", *mixture, "--config", accumulated, "--device", "cpu",
+                     "--decay-steps", STEPS, "--max-steps", 2, "--run-dir", one)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    _torchrun("-m", "k3_trainer.cli", "train", "--parallel", "fsdp", "--pp", 2, *mixture,
+              "--config", config, "--device", "cpu", "--decay-steps", STEPS,
+              "--max-steps", 2, "--run-dir", staged)
+
+    def train(run: Path) -> list[dict]:
+        return [e for e in read_events(run / "metrics.jsonl") if e["event"] == "train"]
+
+    for a, b in zip(train(staged), train(one), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["loss_by_source"].keys() == b["loss_by_source"].keys() == {"code", "docs"}
+        assert a["loss_by_source"] == pytest.approx(b["loss_by_source"], rel=1e-6)

@@ -56,6 +56,9 @@ def test_stages_run_one_after_another_are_the_whole_model(cuts):
         received.append((out, inputs))
     staged_loss = stages[-1].loss(received[-1][0][0], y)  # the last stage's own output
     assert torch.equal(staged_loss, loss)
+    with torch.no_grad():  # each target's loss, as the whole model's reduction="none"
+        _, per_token = whole(x, targets=y, document_ids=ids, reduction="none")
+        assert torch.equal(stages[-1].loss(received[-1][0][0], y, "none"), per_token)
     # Backward stage by stage: each stage's outputs take the next stage's input grads.
     staged_loss.backward()
     for out, inputs in reversed(received[:-1]):

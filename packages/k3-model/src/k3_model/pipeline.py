@@ -141,15 +141,17 @@ class StageForward(nn.Module):
                    if self.last else crossing(indices[-1] + 1))
         return inputs, outputs
 
-    def loss(self, hidden: Tensor, targets: Tensor) -> Tensor:
+    def loss(self, hidden: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
         """The mean token cross-entropy of the last stage's ``hidden`` state, computed as
-        :meth:`K3Model.forward` does (chunked when ``config.loss_chunk_size``)."""
+        :meth:`K3Model.forward` does (chunked when ``config.loss_chunk_size``);
+        ``reduction="none"``: each target's loss, ``targets``' shape."""
         assert self.lm_head is not None
         from .loss import chunked_cross_entropy
 
         if self.config.loss_chunk_size:
             return chunked_cross_entropy(hidden, self.lm_head.weight, targets,
-                                         self.config.loss_chunk_size)
+                                         self.config.loss_chunk_size, reduction)
         logits: Tensor = self.lm_head(hidden)
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                                 targets.flatten())
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                 targets.flatten(), reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from .distributed import Parallel
     from .models import PipelineHooks
 
+TokenLosses = Callable[[int, Tensor, Tensor], None]
+"""``(microbatch index, each target's loss, targets)``, on the last stage."""
+
+
 class Pipeline:
     """This rank's stages of ``model`` (cut in place when built) and the schedule that
     runs them (built by :meth:`start`, once the model is sharded).
@@ -71,6 +75,7 @@ class Pipeline:
         self._scale = 1.0
         self._scale_loss: Callable[[Tensor], Tensor] = _same
         self._values: list[Tensor] = []
+        self._tokens: TokenLosses | None = None
         self.schedule: Any = None
 
     def start(self) -> None:
@@ -92,7 +97,13 @@ class Pipeline:
         last_module = self.modules[-1]
 
         def loss_fn(output: Tensor, targets: Tensor) -> Tensor:
-            loss = hooks.loss(last_module, output, targets) / self._scale
+            if self._tokens is None:
+                loss = hooks.loss(last_module, output, targets)
+            else:  # every target's loss kept (microbatches reach here in order)
+                token_losses = hooks.loss(last_module, output, targets, reduction="none")
+                self._tokens(len(self._values), token_losses, targets)
+                loss = token_losses.sum() / targets.numel()
+            loss = loss / self._scale
             self._values.append(loss.detach().float())
             return self._scale_loss(loss)
 
@@ -105,13 +116,20 @@ class Pipeline:
             self.schedule = kind(stages[0], self.count, loss_fn=loss_fn, scale_grads=False)
 
     def train(self, x: Tensor, y: Tensor, scale: int,
-              scale_loss: Callable[[Tensor], Tensor] | None = None, **kwargs: Tensor) -> Tensor:
+              scale_loss: Callable[[Tensor], Tensor] | None = None,
+              tokens: TokenLosses | None = None, **kwargs: Tensor) -> Tensor:
         """Forward and backward of the batch ``(x, y)`` in microbatches, each one's mean
         token loss divided by ``scale`` (the update's microbatch count) and passed through
         ``scale_loss`` (the FP16 loss scale) before its backward. Returns the sum of the
-        divided losses (unscaled) on the last stage, zero elsewhere."""
+        divided losses (unscaled) on the last stage, zero elsewhere. ``tokens``: called on
+        the last stage with each microbatch's index, its targets' losses and the targets
+        (a mixture's loss by source); the loss is then their sum over the targets."""
         self._scale, self._scale_loss, self._values = float(scale), scale_loss or _same, []
-        self.schedule.step(x, target=y, return_outputs=False, **kwargs)
+        self._tokens = tokens
+        try:
+            self.schedule.step(x, target=y, return_outputs=False, **kwargs)
+        finally:
+            self._tokens = None
         return self._sum()
 
     @torch.no_grad()

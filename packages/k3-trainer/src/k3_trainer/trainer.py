@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -450,11 +450,27 @@ class Trainer:
         with self.profiler.region("train/pipeline"), autocast(self.device,
                                                               self.config.precision):
             local = self.pipeline.train(x, y, accumulation * self.pipeline.count,
-                                        self.scaler.scale, **documents)
+                                        self.scaler.scale, self._source_tokens(),
+                                        **documents)
         value = self._mean_loss(local)
         if not math.isfinite(value):
             raise FloatingPointError(f"Non-finite training loss at step {step}")
         return value
+
+    def _source_tokens(self) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
+        """For a mixture under pipeline stages: each microbatch's target losses to their
+        rows' sources (the microbatches are consecutive rows of the batch)."""
+        if self.by_source is None:
+            return None
+        by_source = self.by_source
+        sources = self.loaders.train.row_sources().to(  # type: ignore[attr-defined]
+            self.device, non_blocking=True)
+
+        def add(index: int, token_losses: torch.Tensor, targets: torch.Tensor) -> None:
+            rows = targets.shape[0]
+            by_source.add(token_losses, targets, sources[index * rows:(index + 1) * rows])
+
+        return add
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor, documents: dict[str, Any]
               ) -> torch.Tensor:

@@ -91,8 +91,9 @@ def _stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> nn.Mo
     return StageForward(model, layers, first=first, last=last)  # type: ignore[arg-type]
 
 
-def _stage_loss(stage: nn.Module, output: Tensor, targets: Tensor) -> Tensor:
-    loss: Tensor = stage.loss(output, targets)  # type: ignore[operator]
+def _stage_loss(stage: nn.Module, output: Tensor, targets: Tensor,
+                reduction: str = "mean") -> Tensor:
+    loss: Tensor = stage.loss(output, targets, reduction)  # type: ignore[operator]
     return loss
 
 

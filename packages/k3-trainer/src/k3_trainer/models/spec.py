@@ -60,8 +60,10 @@ class PipelineHooks:
     ``layers`` (the embedding unless ``first``, the head unless ``last``), keeping names."""
     stage: Callable[..., nn.Module]
     """``stage(model, layers, first=, last=)``: one stage's forward module (a range)."""
-    loss: Callable[[nn.Module, Tensor, Tensor], Tensor]
-    """``loss(stage_module, last_output, targets)``: the mean token loss."""
+    loss: Callable[..., Tensor]
+    """``loss(stage_module, last_output, targets, reduction="mean")``: the mean token
+    loss; ``reduction="none"``, each target's (a mixture's loss by source under stages;
+    a hook without ``reduction`` runs every run but a mixture's)."""
 
 
 @dataclass(frozen=True)
