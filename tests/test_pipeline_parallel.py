@@ -63,7 +63,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @needs_torchrun
 @pytest.mark.parametrize(("schedule", "per_rank", "microbatches"), [
-    ("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved-1f1b", 2, 4)])
+    ("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved-1f1b", 2, 4), ("zbv", 2, 4),
+    ("dualpipev", 2, 4)])
 def test_two_stages_match_one_process(schedule, per_rank, microbatches, references,
                                       tmp_path):
     reference = references[microbatches]

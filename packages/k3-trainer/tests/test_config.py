@@ -12,7 +12,7 @@ BAD_VALUES = {
     "gradient_accumulation_steps": [0],
     "expert_parallel": [0, -2, 1.5, True],
     "pipeline_parallel": [0, -2, 1.5, True],
-    "pp_schedule": ["zbv", 1],
+    "pp_schedule": ["zero-bubble", 1],
     "pp_microbatches": [0, 1.5, "8"],
     "pp_stages_per_rank": [0, 1.5, True],
     "context_parallel": [0, -2, 1.5, True],

@@ -9,7 +9,7 @@ import pytest
 from k3_trainer.config import ConfigError, TrainConfig
 from k3_trainer.models import get_model_spec
 from k3_trainer.planning import layout as planning_layout
-from k3_trainer.planning.layout import check_launch, microbatches, stage_blocks
+from k3_trainer.planning.layout import check_launch, microbatches, stage_blocks, stage_rank
 
 SPEC = get_model_spec("k3")
 
@@ -34,6 +34,11 @@ def _tiny():
      "4 stages but the model has 3 decoder blocks"),
     ({"pp_schedule": "interleaved-1f1b"}, "fsdp", 2, 4, "needs --pp-stages-per-rank 2"),
     ({"pp_stages_per_rank": 2}, "fsdp", 2, 4, "needs --pp-schedule interleaved-1f1b"),
+    ({"pp_schedule": "zbv"}, "fsdp", 2, 4, "--pp-schedule zbv needs --pp-stages-per-rank 2"),
+    ({"pp_schedule": "dualpipev", "pp_stages_per_rank": 3, "pp_microbatches": 6}, "fsdp", 2, 6,
+     "dualpipev runs exactly 2 stages per rank, got 3"),
+    ({"pp_schedule": "zbv", "pp_stages_per_rank": 2, "pp_microbatches": 2}, "fsdp", 2, 4,
+     "microbatches (2) must be ≥ the stages (4) for zbv"),
     ({"pp_microbatches": 1}, "fsdp", 2, 4, "microbatches (1) must be ≥ pp (2) for 1F1B"),
     ({"pp_microbatches": 3}, "fsdp", 2, 4, "batch_size (8) does not split into 3 microbatches"),
     ({"pipeline_parallel": 1, "pp_microbatches": 2}, "fsdp", 2, 4,
@@ -66,6 +71,8 @@ def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world,
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 64}, 4, 4),
     ({"pipeline_parallel": 1, "context_parallel": 2, "expert_parallel": 4}, 4, 4),
     ({"expert_parallel": 2}, 4, 4),  # Kimi K2's shape: stages × experts × data
+    ({"pp_schedule": "zbv", "pp_stages_per_rank": 2, "pp_microbatches": 4}, 2, 4),
+    ({"pp_schedule": "dualpipev", "pp_stages_per_rank": 2, "pp_microbatches": 8}, 4, 4),
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 64, "downstream": "arc_easy"},
      2, 4),
 ])
@@ -93,3 +100,11 @@ def test_the_default_microbatches_are_the_stage_count_and_the_cut_is_balanced():
     assert microbatches(_config(pp_microbatches=8)) == 8
     assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_blocks(4, 4) == [range(i, i + 1) for i in range(4)]
+
+
+def test_v_shaped_schedules_hold_the_first_and_the_last_stage_on_rank_0():
+    """ZBV and DualPipeV place stages in a V (as torch's ``generate_stage_to_rank_mapping``
+    with ``style="v"``); the others loop."""
+    assert [stage_rank(s, 2, "zbv") for s in range(4)] == [0, 1, 1, 0]
+    assert [stage_rank(s, 3, "dualpipev") for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [stage_rank(s, 2, "interleaved-1f1b") for s in range(4)] == [0, 1, 0, 1]

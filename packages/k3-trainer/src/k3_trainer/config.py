@@ -18,7 +18,7 @@ NSCoefficients = Literal["jordan", "polar_express"]
 UpdateScale = Literal["match_rms_adamw", "spectral", "none"]
 GQAMode = Literal["query_only", "group_min"]
 ActivationCheckpointing = Literal["none", "block"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
@@ -157,11 +157,12 @@ class TrainConfig:
     pipeline_parallel: int = 1
     """Pipeline stages P (--parallel fsdp): the decoder blocks cut into P contiguous stages."""
     pp_schedule: PipelineSchedule = "1f1b"
-    """The pipeline schedule (torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B)."""
+    """The pipeline schedule (torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B,
+    zero-bubble ZBV, DualPipeV)."""
     pp_microbatches: int | None = None
     """Microbatches each batch is cut into under pipeline stages (default: the stage count)."""
     pp_stages_per_rank: int = 1
-    """Virtual stages per rank (interleaved-1f1b: 2 or more)."""
+    """Virtual stages per rank (interleaved-1f1b: 2 or more; zbv, dualpipev: 2)."""
     context_parallel: int = later(1)
     """Context-parallel degree N (--parallel fsdp; alias --cp): each row's seq_len tokens
     split into N contiguous slices over N ranks that read the same rows."""

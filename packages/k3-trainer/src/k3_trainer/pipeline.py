@@ -3,11 +3,13 @@
 refuses are :func:`k3_trainer.planning.layout.check_launch`'s).
 
 ``--pipeline-parallel P`` cuts the decoder blocks into ``P × V`` contiguous stages
-(``V = --pp-stages-per-rank``, 2 or more for ``interleaved-1f1b``; stage ``s`` on pipeline
-rank ``s mod P``), through the model spec's hooks (:class:`PipelineHooks`; K3Model's are
-:mod:`k3_model.pipeline`). Each rank keeps one model holding every layer of its stages,
-under the whole model's parameter names, so the optimizer, QK-Clip, the balancer and the
-checkpoint see an ordinary (smaller) model and a checkpoint does not depend on ``P``.
+(``V = --pp-stages-per-rank``, 2 or more for ``interleaved-1f1b``, exactly 2 for ``zbv``
+and ``dualpipev``; stage ``s`` on pipeline rank ``s mod P``, or in a V for those two:
+rank ``r`` holds stages ``r`` and ``2P − 1 − r``), through the model spec's hooks
+(:class:`PipelineHooks`; K3Model's are :mod:`k3_model.pipeline`). Each rank keeps one
+model holding every layer of its stages, under the whole model's parameter names, so the
+optimizer, QK-Clip, the balancer and the checkpoint see an ordinary (smaller) model and a
+checkpoint does not depend on ``P``.
 
 One process's mathematics: the schedule is built with ``scale_grads=False`` and its loss
 function divides each microbatch's mean token loss by the microbatch count of the whole
@@ -50,14 +52,15 @@ class Pipeline:
                  config: TrainConfig) -> None:
         # Here, not at the top: the planning package loads k3_model and the model
         # inventory, which importing the trainer does not need.
-        from .planning.layout import microbatches, stage_blocks
+        from .planning.layout import microbatches, stage_blocks, stage_rank
 
         self.parallel, self.config, self.hooks = parallel, config, hooks
         self.count = microbatches(config)
         pp = parallel.pipeline
         self.total = total = pp * config.pp_stages_per_rank
         ranges = stage_blocks(hooks.n_layers(model), total)
-        self.indices = [s for s in range(total) if s % pp == parallel.pipeline_rank]
+        self.indices = [s for s in range(total)  # looped, or in a V (zbv, dualpipev)
+                        if stage_rank(s, pp, config.pp_schedule) == parallel.pipeline_rank]
         held = [index for s in self.indices for index in ranges[s]]
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self.qk_geometry = _whole_geometry(model, config)
@@ -107,8 +110,9 @@ class Pipeline:
             self._values.append(loss.detach().float())
             return self._scale_loss(loss)
 
-        if config.pp_schedule == "interleaved-1f1b":
-            self.schedule = pipelining.ScheduleInterleaved1F1B(
+        multi = _multi_stage()
+        if config.pp_schedule in multi:
+            self.schedule = multi[config.pp_schedule](
                 stages, self.count, loss_fn=loss_fn, scale_grads=False)
         else:
             kind = (pipelining.ScheduleGPipe if config.pp_schedule == "gpipe"
@@ -144,6 +148,14 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros((), device=self.parallel.device)
         return torch.stack(self._values).sum()
+
+
+def _multi_stage() -> dict[str, Any]:
+    from torch.distributed import pipelining
+
+    return {"interleaved-1f1b": pipelining.ScheduleInterleaved1F1B,
+            "zbv": pipelining.ScheduleZBVZeroBubble,
+            "dualpipev": pipelining.ScheduleDualPipeV}
 
 
 def _whole_geometry(model: nn.Module, config: TrainConfig) -> dict[str, Any] | None:

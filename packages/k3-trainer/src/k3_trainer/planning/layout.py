@@ -27,6 +27,20 @@ if TYPE_CHECKING:
 INTERLEAVED = "interleaved-1f1b"
 ONE_F_ONE_B = ("1f1b", INTERLEAVED)
 """The schedules that keep at most ``pp`` microbatches in flight, so need that many."""
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules of exactly two stages per rank placed in a V (rank r holds stages r and
+2P − 1 − r, so the embedding and the head share rank 0); torch's need at least as many
+microbatches as stages."""
+MULTI_STAGE = (INTERLEAVED, *V_SHAPED)
+"""The schedules that run more than one stage per rank."""
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank that holds ``stage``: looped (``stage mod pp``), or in a V for
+    :data:`V_SHAPED` schedules."""
+    if schedule.lower() in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
 
 
 class LayoutError(ValueError):
@@ -66,7 +80,8 @@ class ParallelLayout:
     @property
     def bubble(self) -> float:
         """Idle fraction of a 1F1B pipeline step: ``(p − 1)/(v·m + p − 1)`` with ``v``
-        stages per rank (``(p − 1)/(m + p − 1)`` without interleaving)."""
+        stages per rank (``(p − 1)/(m + p − 1)`` without interleaving). For ``zbv`` and
+        ``dualpipev`` an upper bound: their split backward fills part of it."""
         p, m, v = self.pp, self.microbatches, self.stages_per_rank
         return (p - 1) / (v * m + p - 1)
 
@@ -125,6 +140,14 @@ def validate_layout(layout: ParallelLayout, *, n_blocks: int | None,
         raise LayoutError(
             f"microbatches ({layout.microbatches}) must be ≥ pp ({layout.pp}) for 1F1B; "
             "raise --pp-microbatches")
+    if layout.pp > 1 and layout.schedule.lower() in V_SHAPED:
+        if layout.stages_per_rank != 2:
+            raise LayoutError(f"{layout.schedule} runs exactly 2 stages per rank, got "
+                              f"{layout.stages_per_rank}; use --pp-stages-per-rank 2")
+        if layout.microbatches < layout.stages:
+            raise LayoutError(
+                f"microbatches ({layout.microbatches}) must be ≥ the stages "
+                f"({layout.stages}) for {layout.schedule}; raise --pp-microbatches")
     if layout.batch_size % layout.microbatches:
         raise LayoutError(
             f"batch_size ({layout.batch_size}) does not split into {layout.microbatches} "
@@ -167,10 +190,10 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
     if pp > 1 and cp > 1:
         raise ConfigError("--context-parallel with --pipeline-parallel is not supported yet; "
                           "drop one of them")
-    if pp > 1 and (config.pp_schedule == INTERLEAVED) != (per_rank > 1):
-        raise ConfigError(f"--pp-schedule {INTERLEAVED} needs --pp-stages-per-rank 2 or more"
-                          if per_rank == 1 else f"--pp-stages-per-rank {per_rank} needs "
-                          f"--pp-schedule {INTERLEAVED}")
+    if pp > 1 and (config.pp_schedule in MULTI_STAGE) != (per_rank > 1):
+        raise ConfigError(f"--pp-schedule {config.pp_schedule} needs --pp-stages-per-rank 2 "
+                          "or more" if per_rank == 1 else f"--pp-stages-per-rank {per_rank} "
+                          f"needs --pp-schedule {INTERLEAVED}, zbv or dualpipev")
     if pp > 1 and config.downstream is not None:
         raise ConfigError("--downstream scores whole documents with the whole model on each "
                           "rank; with --pipeline-parallel > 1 score the checkpoints "

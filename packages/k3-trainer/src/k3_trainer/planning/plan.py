@@ -36,7 +36,7 @@ from . import activations as act
 from .comm import traffic
 from .gpus import GPU
 from .inventory import FIRST, LAST, Inventory
-from .layout import ParallelLayout, stage_blocks, validate_layout
+from .layout import ParallelLayout, stage_blocks, stage_rank, validate_layout
 from .memory import largest_block_bytes, matmul_weights, state_bytes
 
 SECONDS_PER_DAY = 86400.0
@@ -155,7 +155,7 @@ def make_plan(inv: Inventory, layout: ParallelLayout, gpu: GPU,
     tokens = micro_batch * layout.seq_len // layout.cp
     stages = []
     for s, blocks in enumerate(groups):
-        pp_rank = s % layout.pp
+        pp_rank = stage_rank(s, layout.pp, layout.schedule)
         owned = set(blocks) | ({FIRST} if s == 0 else set()) | (
             {LAST} if s == layout.stages - 1 else set())
         states = state_bytes(inv, owned, shard=layout.shard_degree, ep=layout.ep,
