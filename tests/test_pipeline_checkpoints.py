@@ -20,9 +20,10 @@ from harness import (
     toml_text,
 )
 from test_distributed_checkpoints import _final_state, _torchrun
-from test_distributed_training import distributed, needs_torchrun, one_launch_at_a_time
+from test_distributed_training import TESTS, distributed, needs_torchrun, one_launch_at_a_time
 
 from k3_trainer import read_events
+from k3_trainer.checkpoint import find_checkpoint
 
 pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 STEPS = 4
@@ -108,6 +109,20 @@ def test_a_pipeline_run_sharded_over_data_ranks_resumes_bitwise(data_dir, config
     stacks = [value for name, value in a["model"].items() if name.endswith("experts.w_up")]
     assert len(stacks) == 1 and stacks[0].shape[0] == NARROW_TINY_MODEL.n_experts  # whole
     assert_bitwise_equal(a, b)
+
+
+def test_a_stage_killed_inside_a_checkpoint_write_resumes_bitwise(continuous, data_dir,
+                                                                  config, tmp_path):
+    """kill -9 of the last stage's rank inside the second sharded write (step 4, its
+    shards on disk, nothing published): the job fails, the newest checkpoint is step 2,
+    and ``--resume`` from it ends bitwise equal to the uninterrupted run."""
+    run_dir = tmp_path / "killed"
+    cli = [TESTS / "cli_driver.py", *_cli(data_dir, config, run_dir, "--max-steps", STEPS)[2:]]
+    killed = _torchrun(*cli, env={"K3_TEST_KILL_RANK": "1:sharded-write:2"}, ok=False)
+    assert "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]  # the kill fired
+    assert find_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000002"
+    _torchrun(*cli, "--resume")
+    assert_bitwise_equal(_final_state(continuous, tmp_path), _final_state(run_dir, tmp_path))
 
 
 def test_activation_checkpointing_under_stages_changes_nothing(continuous, data_dir, config,
