@@ -20,6 +20,10 @@ variables below it behaves exactly like ``python -m k3_trainer.cli ARGS...``.
 - ``K3_TEST_KILL_RANK=R:sharded-write:N``: in the torchrun rank R only, SIGKILL this
   process inside its N-th sharded checkpoint write, once its shards are on disk and
   before the checkpoint is published.
+- ``K3_TEST_QK_NONFINITE=R:N``: in the torchrun rank R only, the N-th update's QK-Clip
+  check finds an infinite max logit: its first observing attention module reports +inf
+  for every head (through the module's public ``qk_observer``), as a forward that
+  overflowed would.
 - ``K3_TEST_READONLY=DIR``: every write inside DIR fails with EACCES, as in a read-only
   directory (an audit hook, so it holds for root too, which ignores permission bits).
 - ``K3_TEST_FSIZE=BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE), like a disk that
@@ -191,6 +195,29 @@ def _file_size_limit(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
+def _non_finite_qk_logit(spec: str) -> None:
+    rank, _, count = spec.partition(":")
+    if os.environ.get("RANK") != rank:
+        return
+    import math
+
+    import torch
+
+    from k3_qkclip import QKClip
+
+    original, calls = QKClip.nonfinite, [0]
+
+    def nonfinite(self: QKClip) -> torch.Tensor | None:
+        calls[0] += 1
+        if calls[0] == int(count):
+            observers = [m.qk_observer for m in self.model.modules()
+                         if getattr(m, "qk_observer", None) is not None]
+            observers[0].record(torch.full((observers[0].n_heads,), math.inf))
+        return original(self)
+
+    QKClip.nonfinite = nonfinite  # type: ignore[method-assign]
+
+
 def main() -> int:
     if os.environ.get("K3_TEST_OPEN_LOG"):
         _log_checkpoint_opens(os.environ["K3_TEST_OPEN_LOG"])
@@ -198,6 +225,8 @@ def main() -> int:
         _kill_inside_checkpoint_write(os.environ["K3_TEST_KILL"])
     if os.environ.get("K3_TEST_KILL_RANK"):
         _kill_rank_inside_sharded_write(os.environ["K3_TEST_KILL_RANK"])
+    if os.environ.get("K3_TEST_QK_NONFINITE"):
+        _non_finite_qk_logit(os.environ["K3_TEST_QK_NONFINITE"])
     if os.environ.get("K3_TEST_READONLY"):
         _read_only(os.environ["K3_TEST_READONLY"])
     if os.environ.get("K3_TEST_FSIZE"):

@@ -125,6 +125,33 @@ def test_a_stage_killed_inside_a_checkpoint_write_resumes_bitwise(continuous, da
     assert_bitwise_equal(_final_state(continuous, tmp_path), _final_state(run_dir, tmp_path))
 
 
+def test_a_non_finite_qk_logit_on_one_stage_stops_every_stage_before_the_update(
+        data_dir, config, tmp_path):
+    """QK-Clip's check is a MAX over every stage: the stage holding the MLA layer (rank 1)
+    finds +inf in update 3, and no stage steps its optimizer. The stage without an MLA
+    layer (rank 0, which writes the run directory) refuses the same update and logs no
+    step 3; the run stays at its step-2 checkpoint."""
+    run_dir = tmp_path / "qk"
+    cli = [TESTS / "cli_driver.py", *_cli(data_dir, config, run_dir, "--max-steps", STEPS)[2:]]
+    failed = _torchrun(*cli, env={"K3_TEST_QK_NONFINITE": "1:3"}, ok=False)
+    assert failed.returncode != 0
+    said = {}  # rank: its "training diverged" line (two ranks' lines may run together)
+    for part in failed.stderr.split("k3-train[rank ")[1:]:
+        rank, _, rest = part.partition("]: training diverged: ")
+        if rank.isdigit() and rest:
+            said[int(rank)] = rest.split("nothing was changed", 1)[0]
+    assert said, failed.stderr[-3000:]
+    assert all(line.startswith("QK-Clip: non-finite max pre-softmax logit")
+               for line in said.values())
+    if 0 in said:  # when it prints before torchrun stops it (see harness.rank_errors)
+        assert "on another pipeline stage" in said[0]
+    if 1 in said:
+        assert "in module 'layers.1.attn'" in said[1]
+    events = list(read_events(run_dir / "metrics.jsonl"))
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2]
+    assert find_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000002"
+
+
 def test_activation_checkpointing_under_stages_changes_nothing(continuous, data_dir, config,
                                                                tmp_path):
     """``--activation-checkpointing block`` recomputes each stage's blocks in its backward:

@@ -406,13 +406,19 @@ class Trainer:
                                   None if self.pipeline is None else self.pipeline.slots)
             # The update's one host read: pre-clip norm, QK observations' finiteness and
             # the scaler's found-inf, together (see _host_values).
+            observed = qk_clip.nonfinite()
             grad_norm, qk_nonfinite, overflow = _host_values(
-                norm, qk_clip.nonfinite(), overflow_flag(scaler, self.optimizer))
+                norm, observed if self.pipeline is None else self._on_any_stage(observed),
+                overflow_flag(scaler, self.optimizer))
             if not scaler.is_enabled() and not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"Non-finite gradient norm at step {step} (the loss was finite: "
                     f"{loss_sum:.6g}); lower the LR or max_grad_norm, or check the data")
             qk_clip.validate(qk_nonfinite)
+            if qk_nonfinite and observed is None:  # a stage without MLA stops alike
+                raise FloatingPointError(
+                    "QK-Clip: non-finite max pre-softmax logit on another pipeline stage "
+                    "(its ranks name the module); nothing was changed")
             scaler.step(self.optimizer)
             scaler.update()
             # The contract's "the scaler skipped": GradScaler.update() multiplies the scale by
@@ -435,6 +441,15 @@ class Trainer:
         profiler.attempt_done()
         self.callbacks.attempt_end(self, step)
         return _Attempt(step, lr, loss_sum, tokens, grad_norm, overflow)
+
+    def _on_any_stage(self, flag: torch.Tensor | None) -> torch.Tensor:
+        """QK-Clip's non-finite flag as a MAX over every stage (a stage without an MLA
+        layer observes nothing), so every rank refuses the update or none does: one
+        all-reduce on the device, read with the norm."""
+        assert self.parallel is not None
+        value = torch.zeros(1, device=self.device) if flag is None else \
+            flag.to(self.device, torch.float32).reshape(1)
+        return self.parallel.max_(value)[0] > 0
 
     def _qk_policy(self) -> QKClipPolicy:
         policy = qk_clip_policy(self.config)
