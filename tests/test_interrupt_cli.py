@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import assert_bitwise_equal, k3_train, latest_checkpoint, subprocess_env
+from test_distributed_checkpoints import _final_state
 from test_distributed_training import distributed, needs_torchrun, one_launch_at_a_time
 
 from k3_checkpoint import read_payload
@@ -106,8 +107,6 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
     """SIGTERM reaches one rank only (as when one node is preempted first): both ranks (or
     both pipeline stages, rank 1 holding the last) agree on the step, the run is saved
     there (sharded under stages), and the resume ends as the uninterrupted run does."""
-    from test_distributed_checkpoints import _final_state
-
     flags = [*_flags(data_dir, small_toml), *layout, "--batch-size", "2"]
     reference = tmp_path / "reference"
     done = k3_train("train", "--run-dir", reference, *flags, "--nproc", 2)

@@ -127,12 +127,12 @@ class Parallel:
         if self.mode != "fsdp":
             raise ConfigError(f"--expert-parallel {degree} needs --parallel fsdp: DDP offers no "
                               "public way to keep the expert parameters out of its all-reduce")
-        if self.world_size % degree:
+        ranks = self.world_size // self.pipeline  # the expert groups' ranks: one stage's
+        if ranks % degree:
             raise ConfigError(f"--expert-parallel {degree} must divide the world size "
-                              f"{self.world_size} (--nproc × nodes)")
-        if (self.world_size // self.pipeline) % degree:
-            raise ConfigError(f"--expert-parallel {degree} must divide each stage's "
-                              f"{self.world_size // self.pipeline} ranks")
+                              f"{self.world_size} (--nproc × nodes)" if self.pipeline == 1
+                              else f"--expert-parallel {degree} must divide each stage's "
+                              f"{ranks} ranks")
         count = 0 if experts is None else experts.n_experts(model)
         if experts is not None and self.pipeline > 1:  # a stage may hold no MoE layer
             count = int(self._all_reduce(torch.tensor([float(count)]), dist.ReduceOp.MAX,

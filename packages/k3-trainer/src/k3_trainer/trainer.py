@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,7 +49,7 @@ from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
 from .observe.sources import SourceLosses
-from .pipeline import Pipeline, PipelineEvaluation, stage_qk_policy
+from .pipeline import Pipeline, PipelineEvaluation, TokenLosses, stage_qk_policy
 from .precision import (
     autocast,
     make_grad_scaler,
@@ -472,7 +472,7 @@ class Trainer:
             raise FloatingPointError(f"Non-finite training loss at step {step}")
         return value
 
-    def _source_tokens(self) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
+    def _source_tokens(self) -> TokenLosses | None:
         """For a mixture under pipeline stages: each microbatch's target losses to their
         rows' sources (the microbatches are consecutive rows of the batch)."""
         if self.by_source is None:
