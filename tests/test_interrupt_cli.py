@@ -138,11 +138,15 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
 
 @distributed
 @needs_torchrun
-def test_ctrl_c_on_a_nproc_launch_saves_and_exits_130(tmp_path, data_dir, small_toml):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_on_a_nproc_launch_saves_and_exits_130(inherited, tmp_path, data_dir,
+                                                      small_toml):
     """Ctrl-C in a terminal reaches the whole foreground group: the ``--nproc`` launcher,
     torchrun and both ranks (here with the experts split over them). The ranks stop at one
     step and save there; the launcher waits for them instead of dying with a traceback,
-    and exits 130."""
+    and exits 130. ``ignored``: the launcher started with SIGINT ignored, as a script's
+    background job is; the ranks stop on a SIGINT regardless, and so the launcher's status
+    must say so (it said torchrun's 1)."""
     import os
 
     run = tmp_path / "run"
@@ -150,6 +154,8 @@ def test_ctrl_c_on_a_nproc_launch_saves_and_exits_130(tmp_path, data_dir, small_
                *_flags(data_dir, small_toml), "--max-steps", "400", "--decay-steps", "400",
                "--parallel", "fsdp", "--expert-parallel", "2", "--batch-size", "2",
                "--nproc", "2"]
+    if inherited == "ignored":  # the shell's own way: `trap '' INT`, then exec
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=subprocess_env(), start_new_session=True)
     deadline = time.monotonic() + 300

@@ -33,7 +33,9 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     Ctrl-C reaches torchrun and its ranks as well (one process group): the ranks stop at
     the next update boundary and save, so this process keeps waiting for them rather than
     dying of ``KeyboardInterrupt`` with a traceback while they still write, and exits 130
-    as a one-process session does (torchrun itself reports the signal as a failure)."""
+    as a one-process session does (torchrun itself reports the signal as a failure). The
+    handler is installed even where SIGINT arrived ignored (a background job of a script):
+    the ranks install theirs regardless, so they stop on it, and this status must say so."""
     rest, skip = [], False
     for arg in argv:
         if skip:
@@ -43,11 +45,15 @@ def relaunch(nproc: int, argv: list[str]) -> int:
         elif not arg.startswith("--nproc="):
             rest.append(arg)
     interrupted = False
-    with subprocess.Popen(torchrun_command(nproc, rest)) as torchrun:
-        while True:
-            try:
-                status = torchrun.wait()
-                break
-            except KeyboardInterrupt:
-                interrupted = True
+
+    def note_interrupt(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True  # returning (not raising) lets wait() go on waiting
+
+    previous = signal.signal(signal.SIGINT, note_interrupt)
+    try:
+        with subprocess.Popen(torchrun_command(nproc, rest)) as torchrun:
+            status = torchrun.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 128 + signal.SIGINT if interrupted and status else status
