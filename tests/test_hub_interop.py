@@ -106,6 +106,7 @@ def test_an_export_loads_with_only_transformers_and_safetensors(tmp_path, data_d
     env = {k: v for k, v in os.environ.items()
            if k not in {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"}}
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PIP_NO_COMPILE"] = "1"  # byte-compiling all of torch was most of an install
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", venv], cwd=outside, env=env)
     python = venv / BIN / "python"
