@@ -34,6 +34,7 @@ from k3_trainer import (
 from k3_trainer.data import MixtureLoader, Source
 from k3_trainer.distributed import init_parallel, shutdown
 from k3_trainer.models import get_model_spec
+from k3_trainer.pipeline import Pipeline
 from k3_trainer.torchrun import leave_worker
 
 
@@ -158,6 +159,8 @@ def main() -> int:
     parser.add_argument("--reject-on-rank", type=int)
     parser.add_argument("--overflow-on-rank", type=int)
     parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline stages (1F1B, 2 microbatches), as the CLI builds them")
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--mix", type=Path,
                         help="a second dataset: train on docs=DATA:0.7 and code=MIX:0.3")
@@ -166,9 +169,11 @@ def main() -> int:
                         help="record the host reads of every update (HostReads)")
     args = parser.parse_args()
 
-    parallel, _ = init_parallel(args.parallel, torch.device("cpu"))
+    parallel, _ = init_parallel(args.parallel, torch.device("cpu"), args.pp)
     rank = parallel.rank if parallel is not None else 0
-    world = parallel.world_size if parallel is not None else 1
+    # the data's rank and count: every stage of a data rank reads the same rows
+    data_rank, world = ((parallel.data_rank, parallel.data_parallel) if parallel is not None
+                        else (0, 1))
     config = train_config(batch_size=args.batch_size, max_steps=args.steps,
                           decay_steps=args.decay_steps or args.steps,
                           checkpoint_interval=args.steps,
@@ -176,25 +181,35 @@ def main() -> int:
                           expert_parallel=args.expert_parallel,
                           gradient_accumulation_steps=args.accumulation,
                           document_masking=args.document_masking,
+                          **({"pipeline_parallel": args.pp, "pp_microbatches": 2}
+                             if args.pp > 1 else {}),
                           # counting host reads: no logging or evaluation in between
                           **({"log_interval": args.steps, "eval_interval": args.steps}
                              if args.count_host_reads else {"eval_interval": 3}))
     seed_all(config.seed)
     model = K3Model(NARROW_TINY_MODEL)
+    spec, pipeline = get_model_spec("k3"), None
+    if parallel is not None and args.pp > 1:  # cut before sharding, as the CLI does
+        assert spec.pipeline is not None
+        pipeline = Pipeline(model, spec.pipeline, parallel, config)
     if parallel is not None:
-        parallel.shard_experts(model, config.expert_parallel,
-                                get_model_spec("k3").expert_parallel)
+        parallel.shard_experts(model, config.expert_parallel, spec.expert_parallel)
         model.set_balancer_gather(parallel.gather_rows)
-        parallel.wrap(model)
+        parallel.wrap(model, None if pipeline is None else pipeline.modules)
+    if pipeline is not None:
+        assert parallel is not None
+        pipeline.start()
+        parallel.stages = pipeline
     optimizer = build_optimizer(model, config, distributed=True if args.parallel == "ddp"
-                                else None)
+                                else None, stage=pipeline is not None)
     if args.mix is not None:
         sources = [Source("docs", args.data, 0.7), Source("code", args.mix, 0.3)]
-        loaders = [MixtureLoader(sources, split, config.batch_size, config.seq_len, rank=rank,
-                                 world_size=world) for split in ("train", "val")]
+        loaders = [MixtureLoader(sources, split, config.batch_size, config.seq_len,
+                                 rank=data_rank, world_size=world) for split in ("train", "val")]
     else:
         loaders = [TokenDataLoader(args.data, split, config.batch_size, config.seq_len,
-                                   rank=rank, world_size=world) for split in ("train", "val")]
+                                   rank=data_rank, world_size=world)
+                   for split in ("train", "val")]
     result: dict = {}
     log = MetricsLog(None)
     scaler = None

@@ -61,18 +61,23 @@ def _torchrun(*args: object) -> subprocess.CompletedProcess[str]:
 
 def _worker(out: Path, data_dir: Path, parallel: str, *extra: object) -> list[dict]:
     """Run tests/dist_worker.py (1 process for ``none``, else 2 ranks); per-rank results.
-    ``fsdp+ep`` is FSDP2 with the experts split over both ranks (``--expert-parallel 2``)."""
+    ``fsdp+ep`` is FSDP2 with the experts split over both ranks (``--expert-parallel 2``),
+    ``fsdp+pp`` two pipeline stages (``--pp 2``, rank R holding stage R). ``extra`` comes
+    last, so it may override the batch size."""
+    per_rank = BATCH // 2  # two data ranks
     if parallel == "fsdp+ep":
         parallel, extra = "fsdp", ("--expert-parallel", 2, *extra)
+    elif parallel == "fsdp+pp":  # two stages of one data rank: each sees the whole batch
+        parallel, extra, per_rank = "fsdp", ("--pp", 2, *extra), BATCH
     args = [TESTS / "dist_worker.py", "--parallel", parallel, "--data", data_dir,
-            "--out", out, "--steps", STEPS, "--qk-clip-tau", TAU, *extra]
+            "--out", out, "--steps", STEPS, "--qk-clip-tau", TAU]
     if parallel == "none":
-        done = subprocess.run([sys.executable, *map(str, [*args, "--batch-size", BATCH])],
-                              capture_output=True, text=True, env=subprocess_env(),
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, *map(str, [*args, "--batch-size", BATCH, *extra])],
+            capture_output=True, text=True, env=subprocess_env(), timeout=120)
         assert done.returncode == 0, done.stderr[-4000:]
         return [torch.load(out / "rank0.pt", weights_only=False)]
-    _torchrun(*args, "--batch-size", BATCH // 2)
+    _torchrun(*args, "--batch-size", per_rank, *extra)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -192,6 +197,30 @@ def test_an_overflow_found_by_one_rank_skips_the_update_on_every_rank(parallel, 
         assert _train_events(result)[-1]["skipped_updates"] == 1
     for name, weight in ranks[0]["weights"].items():
         assert torch.equal(weight, ranks[1]["weights"][name]), name
+
+
+@distributed
+@needs_torchrun
+def test_an_overflow_found_by_one_stage_skips_the_update_on_every_stage(tmp_path, data_dir):
+    """Pipeline stages through the Trainer: the last stage's scaler finds an inf at attempt
+    2 in its own gradients only. Found-inf is a MAX over every rank, so the first stage
+    skips that update too, and each stage's weights equal one process's that skipped the
+    same attempt (had the first stage stepped, its matrices would be a whole update off).
+    The reference accumulates the same two microbatches the schedule runs (a batch in one
+    forward may route a token to another expert on a near-tie)."""
+    steps = ("--steps", 4)
+    alone = _worker(tmp_path / "one", data_dir, "none", "--overflow-on-rank", 0, *steps,
+                    "--batch-size", BATCH // 2, "--accumulation", 2)[0]
+    stages = _worker(tmp_path / "pp", data_dir, "fsdp+pp", "--overflow-on-rank", 1, *steps)
+    for result in [alone, *stages]:
+        assert [e["step"] for e in result["events"] if e["event"] == "overflow"] == [2]
+        assert _train_events(result)[-1]["skipped_updates"] == 1
+    held = [set(stage["weights"]) for stage in stages]
+    assert held[0] and held[1] and not held[0] & held[1]  # each stage its own layers
+    for stage in stages:
+        for name, weight in stage["weights"].items():
+            torch.testing.assert_close(weight, alone["weights"][name], rtol=1e-4, atol=1e-5,
+                                       msg=name)
 
 
 def test_parallel_none_refuses_a_torchrun_launch_and_ddp_needs_one(tmp_path, data_dir):

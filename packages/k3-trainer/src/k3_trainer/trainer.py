@@ -467,6 +467,12 @@ class Trainer:
             local = self.pipeline.train(x, y, accumulation * self.pipeline.count,
                                         self.scaler.scale, self._source_tokens(),
                                         **documents)
+        if self.scaler.is_enabled():
+            # Only the last stage scales a loss, and GradScaler creates its scale at its
+            # first scale() call: without this one, unscale_ refuses on the other stages.
+            # Their gradients carry the last stage's factor, which equals theirs (every
+            # stage's scaler starts alike and found-inf is a MAX over every rank).
+            self.scaler.scale(torch.zeros((), device=self.device))
         value = self._mean_loss(local)
         if not math.isfinite(value):
             raise FloatingPointError(f"Non-finite training loss at step {step}")
