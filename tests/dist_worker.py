@@ -156,6 +156,8 @@ def main() -> int:
     parser.add_argument("--qk-clip-tau", type=float, default=100.0)
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--allow-runtime-change", action="store_true",
+                        help="resume a checkpoint of another layout (Trainer.resume's flag)")
     parser.add_argument("--reject-on-rank", type=int)
     parser.add_argument("--overflow-on-rank", type=int)
     parser.add_argument("--expert-parallel", type=int, default=1)
@@ -237,7 +239,7 @@ def main() -> int:
         torch.rand(1), random.random(), np.random.rand()
         before = fingerprint()
         try:
-            trainer.resume(args.resume)
+            trainer.resume(args.resume, allow_runtime_change=args.allow_runtime_change)
         except k3_checkpoint.CheckpointError as exc:
             result["refused"] = str(exc)
             result["unchanged"] = before == fingerprint()

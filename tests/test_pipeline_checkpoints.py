@@ -111,6 +111,34 @@ def test_a_pipeline_run_sharded_over_data_ranks_resumes_bitwise(data_dir, config
     assert_bitwise_equal(a, b)
 
 
+def test_a_pipeline_checkpoint_loads_into_stages_sharded_over_data_ranks(data_dir,
+                                                                         tmp_path):
+    """PP 2's sharded checkpoint (2 processes, whole stages) loaded by PP 2 × FSDP2 2 (4
+    processes, each stage's parameters sharded over its two data ranks): DCP reshards,
+    and every tensor gathered back equals the one saved, on both data ranks of each
+    stage. (Loaded through ``Trainer.resume`` with ``allow_runtime_change``; the loaded
+    run trains no step: ``--steps`` is the checkpoint's.)"""
+    worker = [TESTS / "dist_worker.py", "--parallel", "fsdp", "--pp", 2, "--data", data_dir,
+              "--steps", 2, "--batch-size", 4]
+    checkpoint = tmp_path / "checkpoint.dcp"
+    _torchrun(*worker, "--out", tmp_path / "saved", "--checkpoint", checkpoint)
+    assert (checkpoint / ".metadata").is_file()
+    _torchrun4(*worker, "--out", tmp_path / "loaded", "--resume", checkpoint,
+               "--allow-runtime-change")
+    saved = {name: value for r in range(2) for name, value in torch.load(
+        tmp_path / "saved" / f"rank{r}.pt", weights_only=False)["weights"].items()}
+    loaded = [torch.load(tmp_path / "loaded" / f"rank{r}.pt", weights_only=False)
+              for r in range(4)]
+    assert all("refused" not in result for result in loaded)
+    assert not [e for e in loaded[0]["events"] if e["event"] == "train"]  # nothing trained
+    held: dict[str, int] = {}
+    for result in loaded:
+        for name, value in result["weights"].items():
+            assert torch.equal(value, saved[name]), name
+            held[name] = held.get(name, 0) + 1
+    assert held == dict.fromkeys(saved, 2)  # every tensor, on both data ranks of its stage
+
+
 def test_a_stage_killed_inside_a_checkpoint_write_resumes_bitwise(continuous, data_dir,
                                                                   config, tmp_path):
     """kill -9 of the last stage's rank inside the second sharded write (step 4, its
