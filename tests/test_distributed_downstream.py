@@ -1,8 +1,8 @@
 """Downstream tasks in a 2-rank run (torchrun, gloo): each rank scores a share of the
 documents and the sums are combined, so the numbers equal one process scoring the same
 checkpoint (``k3-train eval --tasks``); under FSDP2 the shards are gathered for the
-evaluation and training goes on sharded, under context parallelism on slices. Deselect
-with ``-m 'not distributed'``."""
+evaluation and training goes on sharded, under context parallelism on slices, under
+pipeline stages through the stages. Deselect with ``-m 'not distributed'``."""
 
 from __future__ import annotations
 
@@ -21,13 +21,16 @@ STEPS, LIMIT = 4, 6
 
 @pytest.mark.distributed
 @needs_torchrun
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-cp2"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-cp2", "fsdp-pp2"])
 def test_two_ranks_score_the_tasks_as_one_process_does(parallel, tmp_path, data_dir):
     """``fsdp-cp2``: context parallelism 2, where training runs on half-rows and each rank
     scores whole documents of its share through the decoding path, which context
-    parallelism does not slice (the training losses are unchanged)."""
-    mode, *context = parallel.split("-cp")
-    layout = {"seq_len": 64, "context_parallel": int(context[0])} if context else {}
+    parallelism does not slice (the training losses are unchanged). ``fsdp-pp2``: two
+    pipeline stages; the documents go forward only through the stages, padded to the
+    stages' fixed ``batch × seq_len`` (here the model's window, so no context is cut)."""
+    mode, _, degree = parallel.partition("-")
+    layout = {"cp2": {"seq_len": 64, "context_parallel": 2},
+              "pp2": {"seq_len": 256, "pipeline_parallel": 2}}.get(degree, {})
 
     def train(name: str, **downstream: object) -> tuple[Path, list[dict]]:
         config = tmp_path / f"{name}.toml"

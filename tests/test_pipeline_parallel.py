@@ -110,8 +110,6 @@ def test_in_float64_every_parameter_matches_one_process(tmp_path):
 @pytest.mark.parametrize(("flags", "message"), [
     (("--pp", 2), "--pipeline-parallel 2 needs --parallel fsdp"),
     (("--pp", 2, "--parallel", "fsdp"), "the world size 1 is not dp·cp·pp"),
-    (("--pp", 2, "--parallel", "fsdp", "--downstream", "arc_easy"),
-     "with --pipeline-parallel > 1 score the checkpoints afterwards"),
 ])
 def test_an_impossible_pipeline_layout_is_refused_in_one_line(flags, message, tmp_path,
                                                                data_dir):

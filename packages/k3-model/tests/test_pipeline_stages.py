@@ -59,6 +59,8 @@ def test_stages_run_one_after_another_are_the_whole_model(cuts):
     with torch.no_grad():  # each target's loss, as the whole model's reduction="none"
         _, per_token = whole(x, targets=y, document_ids=ids, reduction="none")
         assert torch.equal(stages[-1].loss(received[-1][0][0], y, "none"), per_token)
+        logits, _ = whole(x, document_ids=ids)  # the last stage's logits: the whole model's
+        assert torch.equal(stages[-1].logits(received[-1][0][0]), logits)
     # Backward stage by stage: each stage's outputs take the next stage's input grads.
     staged_loss.backward()
     for out, inputs in reversed(received[:-1]):

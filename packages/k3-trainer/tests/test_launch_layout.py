@@ -4,6 +4,8 @@ line each naming the flag and the fix, the geometry decided by the planner's own
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from k3_trainer.config import ConfigError, TrainConfig
@@ -46,8 +48,6 @@ def _tiny():
     ({"pipeline_parallel": 1, "context_parallel": 2}, "ddp", 2, 4,
      "--context-parallel 2 needs --parallel fsdp"),
     ({"context_parallel": 2}, "fsdp", 4, 4, "--context-parallel with --pipeline-parallel"),
-    ({"downstream": "arc_easy"}, "fsdp", 2, 4,
-     "with --pipeline-parallel > 1 score the checkpoints afterwards"),
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 63}, "fsdp", 2, 4,
      "seq_len (63) is not divisible by cp (2)"),
     ({"pipeline_parallel": 1, "context_parallel": 2}, "fsdp", 3, 4,
@@ -75,6 +75,7 @@ def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world,
     ({"pp_schedule": "dualpipev", "pp_stages_per_rank": 2, "pp_microbatches": 8}, 4, 4),
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 64, "downstream": "arc_easy"},
      2, 4),
+    ({"downstream": "arc_easy"}, 2, 4),  # scored forward only through the stages
 ])
 def test_a_layout_that_works_passes(fields, world, layers):
     check_launch(_config(**fields), "fsdp" if world > 1 else "none", world, n_blocks=layers)
@@ -108,3 +109,15 @@ def test_v_shaped_schedules_hold_the_first_and_the_last_stage_on_rank_0():
     assert [stage_rank(s, 2, "zbv") for s in range(4)] == [0, 1, 1, 0]
     assert [stage_rank(s, 3, "dualpipev") for s in range(6)] == [0, 1, 2, 2, 1, 0]
     assert [stage_rank(s, 2, "interleaved-1f1b") for s in range(4)] == [0, 1, 0, 1]
+
+
+def test_downstream_under_stages_needs_the_models_logits_hook():
+    spec = get_model_spec("k3")
+    assert spec.pipeline is not None and spec.pipeline.logits is not None
+    check_launch(_config(downstream="arc_easy"), "fsdp", 2, n_blocks=4, spec=spec)
+    without = dataclasses.replace(spec, pipeline=dataclasses.replace(spec.pipeline,
+                                                                     logits=None))
+    with pytest.raises(ConfigError) as refused:
+        check_launch(_config(downstream="arc_easy"), "fsdp", 2, n_blocks=4, spec=without)
+    assert "declares no logits hook for its last stage" in str(refused.value)
+    check_launch(_config(), "fsdp", 2, n_blocks=4, spec=without)  # training needs none

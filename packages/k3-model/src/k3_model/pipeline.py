@@ -141,6 +141,13 @@ class StageForward(nn.Module):
                    if self.last else crossing(indices[-1] + 1))
         return inputs, outputs
 
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The last stage's ``hidden`` state through ``lm_head``: every position's logits
+        (a task's log-likelihoods under stages)."""
+        assert self.lm_head is not None
+        out: Tensor = self.lm_head(hidden)
+        return out
+
     def loss(self, hidden: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
         """The mean token cross-entropy of the last stage's ``hidden`` state, computed as
         :meth:`K3Model.forward` does (chunked when ``config.loss_chunk_size``);

@@ -79,6 +79,7 @@ class Pipeline:
         self._scale_loss: Callable[[Tensor], Tensor] = _same
         self._values: list[Tensor] = []
         self._tokens: TokenLosses | None = None
+        self._capture: Callable[[int, Tensor, Tensor], None] | None = None
         self.schedule: Any = None
 
     def start(self) -> None:
@@ -100,6 +101,8 @@ class Pipeline:
         last_module = self.modules[-1]
 
         def loss_fn(output: Tensor, targets: Tensor) -> Tensor:
+            if self._capture is not None:  # scoring (forward only): the outputs themselves
+                self._capture(len(self._values), output, targets)
             if self._tokens is None:
                 loss = hooks.loss(last_module, output, targets)
             else:  # every target's loss kept (microbatches reach here in order)
@@ -143,6 +146,31 @@ class Pipeline:
         self._scale, self._scale_loss, self._values = float(self.count), _same, []
         self.schedule.eval(x, target=y, **kwargs)
         return self._sum()
+
+    @torch.no_grad()
+    def score(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Forward only through the stages: each target's log-probability (float64) and
+        whether it is the most likely token, ``y``'s shape, on every rank of this
+        pipeline (the last stage's, summed over the pipeline ranks)."""
+        logits = self.hooks.logits
+        assert logits is not None, "the model's PipelineHooks have no logits hook"
+        found = torch.zeros((2, *y.shape), dtype=torch.float64, device=self.parallel.device)
+        rows = y.shape[0] // self.count
+        last = self.modules[-1]
+
+        def capture(index: int, output: Tensor, targets: Tensor) -> None:
+            logprobs = torch.log_softmax(logits(last, output).float(), dim=-1)
+            at = slice(index * rows, (index + 1) * rows)
+            found[0, at] = logprobs.gather(-1, targets[..., None])[..., 0].double()
+            found[1, at] = (logprobs.argmax(-1) == targets).double()
+
+        self._capture = capture
+        try:
+            self.evaluate(x, y)
+        finally:
+            self._capture = None
+        self.parallel.pipeline_sum_(found)
+        return found[0], found[1] > 0.5
 
     def _sum(self) -> Tensor:
         if not self.has_last:
@@ -206,3 +234,57 @@ class PipelineEvaluation(nn.Module):
                 ) -> tuple[None, Tensor]:
         kwargs = {} if document_ids is None else {"document_ids": document_ids}
         return None, self.pipeline.evaluate(x, targets, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredContinuations:
+    """One context's continuations: each one's summed log-likelihood and whether every
+    token of it is the most likely one (what task scoring reads of a model's
+    ``score_continuations``)."""
+
+    logliks: list[float]
+    greedy: list[bool]
+
+
+class PipelineScoring(nn.Module):
+    """The pipeline as task scoring calls a model with ``score_continuations``: every
+    (context + continuation) a row of one fixed-shape batch (the stages' ``batch_size ×
+    seq_len``, padded after its end: causal, so padding changes nothing before it), run
+    forward only through the stages. Every rank scores every document (a stage's data
+    ranks run the same batches, as FSDP2's gathers need) and gets the same numbers.
+    Rows must fit ``seq_len``: score with ``max_len`` at most ``seq_len``."""
+
+    def __init__(self, pipeline: Pipeline, model: nn.Module) -> None:
+        super().__init__()
+        self.pipeline, self.held = pipeline, [model]  # a list: not a submodule
+
+    def score_continuations(self, requests: list[Any], batch_size: int = 16
+                            ) -> list[ScoredContinuations]:
+        config, device = self.pipeline.config, self.pipeline.parallel.device
+        rows = [(r, c, [*request.context, *continuation], len(request.context))
+                for r, request in enumerate(requests)
+                for c, continuation in enumerate(request.continuations)]
+        logliks = [[0.0] * len(request.continuations) for request in requests]
+        greedy = [[False] * len(request.continuations) for request in requests]
+        model = self.held[0]
+        was_training = model.training
+        model.eval()  # no balancer update, as validation
+        try:
+            for start in range(0, len(rows), config.batch_size):
+                chunk = rows[start:start + config.batch_size]
+                x = torch.zeros(config.batch_size, config.seq_len, dtype=torch.long)
+                y = torch.zeros_like(x)
+                for i, (_, _, ids, _) in enumerate(chunk):
+                    if len(ids) - 1 > config.seq_len:
+                        raise ValueError(f"a scored row of {len(ids) - 1} tokens does not "
+                                         f"fit the stages' seq_len {config.seq_len}")
+                    x[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+                    y[i, :len(ids) - 1] = torch.tensor(ids[1:])
+                logprob, best = self.pipeline.score(x.to(device), y.to(device))
+                for i, (r, c, ids, context) in enumerate(chunk):
+                    span = slice(context - 1, len(ids) - 1)  # the continuation's targets
+                    logliks[r][c] = float(logprob[i, span].sum())
+                    greedy[r][c] = bool(best[i, span].all())
+        finally:
+            model.train(was_training)
+        return [ScoredContinuations(a, b) for a, b in zip(logliks, greedy, strict=True)]

@@ -7,6 +7,8 @@ result as an ``eval`` event carrying ``downstream``: ``{"tasks": {task: {"acc", 
 bar and the report read it from there. The time it takes is its own phase
 (``downstream``) in the session's timings. In a data-parallel run every rank scores a
 share of the documents and the sums are combined, so the numbers are one process's.
+Under pipeline stages the documents go forward only through the stages
+(:class:`~k3_trainer.pipeline.PipelineScoring`), their contexts cut to ``seq_len``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class DownstreamEvaluator(Callback):
     def evaluate(self, trainer: Run) -> dict[str, Any]:
         """The tasks' metrics and ``core`` for the trainer's model as it is now."""
         parallel = trainer.parallel
+        stages = None if parallel is None else parallel.stages
+        if stages is not None:  # forward only through the stages, every document here
+            from ..pipeline import PipelineScoring
+
+            return summary(self.tasks.evaluate(
+                PipelineScoring(stages, trainer.model), vocab_size=self.vocab_size,
+                max_len=min(self.max_len, trainer.config.seq_len)))
         with (parallel.full_parameters(trainer.model) if parallel is not None
               else contextlib.nullcontext()):
             results = self.tasks.evaluate(

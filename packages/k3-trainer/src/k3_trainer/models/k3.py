@@ -97,6 +97,11 @@ def _stage_loss(stage: nn.Module, output: Tensor, targets: Tensor,
     return loss
 
 
+def _stage_logits(stage: nn.Module, output: Tensor) -> Tensor:
+    logits: Tensor = stage.logits(output)  # type: ignore[operator]
+    return logits
+
+
 def _check_context(config: K3Config, seq_len: int, degree: int) -> None:
     from k3_model.context_parallel import check_context_parallel
 
@@ -176,7 +181,8 @@ SPEC = ModelSpec(
     expert_parallel=ExpertParallel(
         n_experts=_n_experts, shard=_shard, parameters=_expert_parameters,
         reduce_gradients=_reduce_gradients, moved_bytes=_moved_bytes),
-    pipeline=PipelineHooks(n_layers=_n_layers, keep=_keep, stage=_stage, loss=_stage_loss),
+    pipeline=PipelineHooks(n_layers=_n_layers, keep=_keep, stage=_stage, loss=_stage_loss,
+                           logits=_stage_logits),
     context_parallel=ContextParallelHooks(check=_check_context, set_group=_set_context_group),
     hub=HubFormat(
         model_types=("kimi_linear", "kimi_k3"), save=_save, load=_load,

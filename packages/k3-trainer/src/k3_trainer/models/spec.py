@@ -64,6 +64,9 @@ class PipelineHooks:
     """``loss(stage_module, last_output, targets, reduction="mean")``: the mean token
     loss; ``reduction="none"``, each target's (a mixture's loss by source under stages;
     a hook without ``reduction`` runs every run but a mixture's)."""
+    logits: Callable[[nn.Module, Tensor], Tensor] | None = None
+    """``logits(stage_module, last_output)``: every position's logits, for in-loop
+    downstream tasks scored through the stages (None: ``--downstream`` is refused)."""
 
 
 @dataclass(frozen=True)

@@ -176,8 +176,8 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
     """Refuse, in one :class:`~k3_trainer.config.ConfigError` line, a layout ``k3-train
     train`` cannot launch, before any process group exists: what this trainer does not
     run (stages or context parallelism without FSDP2, pipeline stages beside context
-    parallelism, in-loop downstream tasks under pipeline stages, a model without the
-    hooks), then :func:`validate_layout`, the planner's own decision, on the
+    parallelism, a model without the hooks: in-loop downstream tasks under stages need
+    its logits hook), then :func:`validate_layout`, the planner's own decision, on the
     layout ``world_size`` processes make of ``config`` (``mode`` none/ddp/fsdp)."""
     pp, per_rank, cp = config.pipeline_parallel, config.pp_stages_per_rank, config.context_parallel
     if pp == 1 and (per_rank != 1 or config.pp_microbatches is not None):
@@ -194,10 +194,11 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
         raise ConfigError(f"--pp-schedule {config.pp_schedule} needs --pp-stages-per-rank 2 "
                           "or more" if per_rank == 1 else f"--pp-stages-per-rank {per_rank} "
                           f"needs --pp-schedule {INTERLEAVED}, zbv or dualpipev")
-    if pp > 1 and config.downstream is not None:
-        raise ConfigError("--downstream scores whole documents with the whole model on each "
-                          "rank; with --pipeline-parallel > 1 score the checkpoints "
-                          "afterwards (k3-train eval --tasks)")
+    if pp > 1 and config.downstream is not None and spec is not None and (
+            spec.pipeline is None or spec.pipeline.logits is None):
+        raise ConfigError(f"--downstream with --pipeline-parallel > 1: the model "
+                          f"{spec.name!r} declares no logits hook for its last stage; "
+                          "score the checkpoints afterwards (k3-train eval --tasks)")
     if cp > 1 and spec is not None:
         if spec.context_parallel is None:
             raise ConfigError(f"--context-parallel: the model {spec.name!r} declares no "
