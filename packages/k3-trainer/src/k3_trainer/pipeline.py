@@ -252,7 +252,8 @@ class PipelineScoring(nn.Module):
     seq_len``, padded after its end: causal, so padding changes nothing before it), run
     forward only through the stages. Every rank scores every document (a stage's data
     ranks run the same batches, as FSDP2's gathers need) and gets the same numbers.
-    Rows must fit ``seq_len``: score with ``max_len`` at most ``seq_len``."""
+    Rows must fit ``seq_len``: score with ``max_len`` at most ``seq_len``. The batch is
+    the stages' own ``batch_size`` (the one ``score_continuations`` is given is not)."""
 
     def __init__(self, pipeline: Pipeline, model: nn.Module) -> None:
         super().__init__()
