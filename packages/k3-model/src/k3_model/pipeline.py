@@ -158,7 +158,7 @@ class StageForward(nn.Module):
         if self.config.loss_chunk_size:
             return chunked_cross_entropy(hidden, self.lm_head.weight, targets,
                                          self.config.loss_chunk_size, reduction)
-        logits: Tensor = self.lm_head(hidden)
+        logits = self.logits(hidden)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                  targets.flatten(), reduction=reduction)
         return loss.view(targets.shape) if reduction == "none" else loss

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from .distributed import Parallel
     from .models import PipelineHooks
+    from .tasks.scoring import ContinuationScores
 
 TokenLosses = Callable[[int, Tensor, Tensor], None]
 """``(microbatch index, each target's loss, targets)``, on the last stage."""
@@ -152,6 +153,8 @@ class Pipeline:
         """Forward only through the stages: each target's log-probability (float64) and
         whether it is the most likely token, ``y``'s shape, on every rank of this
         pipeline (the last stage's, summed over the pipeline ranks)."""
+        from .tasks.scoring import target_logprobs
+
         logits = self.hooks.logits
         assert logits is not None, "the model's PipelineHooks have no logits hook"
         found = torch.zeros((2, *y.shape), dtype=torch.float64, device=self.parallel.device)
@@ -159,10 +162,9 @@ class Pipeline:
         last = self.modules[-1]
 
         def capture(index: int, output: Tensor, targets: Tensor) -> None:
-            logprobs = torch.log_softmax(logits(last, output).float(), dim=-1)
+            logprob, best = target_logprobs(logits(last, output), targets)
             at = slice(index * rows, (index + 1) * rows)
-            found[0, at] = logprobs.gather(-1, targets[..., None])[..., 0].double()
-            found[1, at] = (logprobs.argmax(-1) == targets).double()
+            found[0, at], found[1, at] = logprob.double(), best.double()
 
         self._capture = capture
         try:
@@ -236,16 +238,6 @@ class PipelineEvaluation(nn.Module):
         return None, self.pipeline.evaluate(x, targets, **kwargs)
 
 
-@dataclasses.dataclass(frozen=True)
-class ScoredContinuations:
-    """One context's continuations: each one's summed log-likelihood and whether every
-    token of it is the most likely one (what task scoring reads of a model's
-    ``score_continuations``)."""
-
-    logliks: list[float]
-    greedy: list[bool]
-
-
 class PipelineScoring(nn.Module):
     """The pipeline as task scoring calls a model with ``score_continuations``: every
     (context + continuation) a row of one fixed-shape batch (the stages' ``batch_size ×
@@ -260,7 +252,9 @@ class PipelineScoring(nn.Module):
         self.pipeline, self.held = pipeline, [model]  # a list: not a submodule
 
     def score_continuations(self, requests: list[Any], batch_size: int = 16
-                            ) -> list[ScoredContinuations]:
+                            ) -> list[ContinuationScores]:
+        from .tasks.scoring import ContinuationScores
+
         config, device = self.pipeline.config, self.pipeline.parallel.device
         rows = [(r, c, [*request.context, *continuation], len(request.context))
                 for r, request in enumerate(requests)
@@ -288,4 +282,4 @@ class PipelineScoring(nn.Module):
                     greedy[r][c] = bool(best[i, span].all())
         finally:
             model.train(was_training)
-        return [ScoredContinuations(a, b) for a, b in zip(logliks, greedy, strict=True)]
+        return [ContinuationScores(a, b) for a, b in zip(logliks, greedy, strict=True)]

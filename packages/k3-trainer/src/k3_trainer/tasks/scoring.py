@@ -228,14 +228,25 @@ def score_pairs(model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], 
 
 
 @dataclass(frozen=True)
-class _Loglik:
+class ContinuationScores:
+    """One context's continuations as a ``score_continuations`` returns them (what
+    :func:`score_pairs` reads): each one's summed log-likelihood, and whether every token
+    of it is the most likely one."""
+
     logliks: list[float]
     greedy: list[bool]
-    dropped: int
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target's log-probability under ``logits`` (``targets``' shape plus the
+    vocabulary), in float32, and whether it is the most likely token."""
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(-1, targets[..., None])[..., 0], logprobs.argmax(-1) == targets
 
 
 @torch.no_grad()
-def _score_by_forward(model: nn.Module, request: _Request) -> _Loglik:
+def _score_by_forward(model: nn.Module, request: _Request) -> ContinuationScores:
     """One forward of context + continuation per choice (a model without a cache)."""
     device = next(model.parameters()).device
     was_training = model.training
@@ -246,10 +257,10 @@ def _score_by_forward(model: nn.Module, request: _Request) -> _Loglik:
             ids = torch.tensor([[*request.context, *continuation][:-1]], device=device)
             out = model(ids)
             logits: torch.Tensor = out[0] if isinstance(out, tuple) else out
-            logprobs = F.log_softmax(logits[0, len(request.context) - 1:].float(), dim=-1)
             target = torch.tensor(list(continuation), device=device)
-            sums.append(float(logprobs.gather(-1, target[:, None]).sum()))
-            greedy.append(bool((logprobs.argmax(-1) == target).all()))
+            logprob, best = target_logprobs(logits[0, len(request.context) - 1:], target)
+            sums.append(float(logprob.sum()))
+            greedy.append(bool(best.all()))
     finally:
         model.train(was_training)
-    return _Loglik(sums, greedy, 0)
+    return ContinuationScores(sums, greedy)
