@@ -4,9 +4,9 @@ FSDP2 (``Parallel.shard_experts`` then ``Parallel.wrap``, then ``build_optimizer
 FSDP 2 with ``--expert-parallel 2``, two pipeline stages (``--pp 2``, one rank each) and
 context parallelism 2 (FSDP2 over ``dp × cp``); on 4 ranks, two stages over two data
 ranks and context parallelism 2 over two data ranks (with and without ``--expert-parallel
-2``). Each takes one real MuonAdamW step and writes
-this rank's local parameter, gradient and optimizer-state bytes to ``OUT/rank{R}.json``
-for the test to hold the plan to.
+2``), and two stages each on two context-parallel ranks. Each takes one real MuonAdamW
+step and writes this rank's local parameter, gradient and optimizer-state bytes to
+``OUT/rank{R}.json`` for the test to hold the plan to.
 
 Test code only; the package never imports it.
 """
@@ -33,7 +33,7 @@ from k3_trainer.torchrun import leave_worker
 LAYOUTS = {
     2: {"fsdp2": (1, 1, 1), "fsdp2+ep2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)},
     4: {"pp2xdp2": (1, 2, 1), "pp2xdp2+ep2": (2, 2, 1), "cp2xdp2": (1, 1, 2),
-        "cp2xdp2+ep2": (2, 1, 2)},
+        "cp2xdp2+ep2": (2, 1, 2), "pp2xcp2": (1, 2, 2)},
 }
 """Per world size, name: (expert parallel, pipeline stages, context parallel)."""
 OVERRIDES = {"vocab_size": 251}

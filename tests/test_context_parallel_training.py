@@ -7,10 +7,11 @@ with a QK-Clip threshold below its logits, so heads are rescaled every step from
 over every rank's queries. Rows of 48 tokens split into slices of 24 (not a multiple of
 the KDA chunk of 16). CP 2 × FSDP 2 (4 processes, 2 data ranks), CP 2 alone and CP 2
 with the experts split over the same 2 ranks (2 processes) each match one process on the
-same global batch: losses, validation losses and weights within 1e-6 (fp32; only
-reduction orders differ). A CP run resumes bitwise and
-one process evaluates its checkpoint; what cannot run is refused in one line before any
-process group. Deselect with ``-m 'not distributed'``.
+same global batch, and CP 2 × PP 2 (4 processes) one process accumulating the pipeline's
+microbatches: losses, validation losses and weights within 1e-6 (fp32; only reduction
+orders differ). CP runs resume bitwise, with and without stages, and one process
+evaluates a checkpoint; what cannot run is refused in one line before any process
+group. Deselect with ``-m 'not distributed'``.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ TRAIN = {"seq_len": SEQ, "document_masking": True, "qk_clip_tau": TAU, "log_inte
          "eval_interval": STEPS, "eval_batches": 2, "checkpoint_interval": 1,
          "peak_lr": 3e-3}
 LAYOUTS = {"cp2-fsdp2": (4, 2, ("--activation-checkpointing", "block")), "cp2": (2, 2, ()),
-           "cp2-ep2": (2, 2, ("--expert-parallel", 2))}
+           "cp2-ep2": (2, 2, ("--expert-parallel", 2)),
+           "cp2-pp2": (4, 2, ("--pipeline-parallel", 2, "--activation-checkpointing", "block"))}
 """``{name: (processes, context-parallel degree, other flags)}``: CP 2 × FSDP 2 (each
-block recomputed in the backward, collectives included), CP 2 alone, and CP 2 with each
-MoE layer's experts split over the same 2 ranks."""
+block recomputed in the backward, collectives included), CP 2 alone, CP 2 with each
+MoE layer's experts split over the same 2 ranks, and CP 2 × PP 2 (two stages, each on
+its two ranks' slices, blocks recomputed; FSDP2 over each stage's CP ranks)."""
+MICROBATCHED = {"cp2-pp2": "one-microbatched"}
+"""The layouts whose reference is one process accumulating the same microbatches (the
+pipeline's two of ROWS / 2 rows: the MoE balancer updates after each, as one process's
+gradient accumulation does)."""
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +68,15 @@ def config(tmp_path_factory) -> Path:
 def _train(run_dir: Path, data: Path | list[str], config: Path, processes: int, cp: int,
            *extra: object) -> None:
     """``k3-train train`` in one process or under torchrun, on the global batch of ROWS
-    rows (each data rank reads ROWS / data ranks of them); ``data`` a folder or the
-    sources of a mixture."""
+    rows (each data rank reads ROWS / data ranks of them, the ranks over ``cp`` and the
+    pipeline stages); ``data`` a folder or the sources of a mixture."""
     sources = [data] if isinstance(data, Path) else data
+    pp = int(extra[extra.index("--pipeline-parallel") + 1]) if "--pipeline-parallel" in extra \
+        else 1
     args = ["train", *[arg for source in sources for arg in ("--data", source)],
             "--config", config, "--device", "cpu", "--run-dir",
-            run_dir, "--decay-steps", STEPS, "--batch-size", ROWS * cp // processes, *extra]
+            run_dir, "--decay-steps", STEPS, "--batch-size", ROWS * cp * pp // processes,
+            *extra]
     if processes == 1:
         done = k3_train(*args)
     else:
@@ -81,7 +91,11 @@ def _train(run_dir: Path, data: Path | list[str], config: Path, processes: int, 
 def runs(tmp_path_factory, code_dir, config) -> dict[str, Path]:
     """``{layout: run_dir}`` of uninterrupted runs, one process's included."""
     out = {}
-    for name, (processes, cp, extra) in {"one": (1, 1, ()), **LAYOUTS}.items():
+    # The same ROWS per update in two microbatches, validating the same 2 × ROWS rows.
+    microbatched = ("--batch-size", ROWS // 2, "--gradient-accumulation-steps", 2,
+                    "--eval-batches", 4)
+    for name, (processes, cp, extra) in {"one": (1, 1, ()), **LAYOUTS,
+                                         "one-microbatched": (1, 1, microbatched)}.items():
         out[name] = tmp_path_factory.mktemp(name) / "run"
         _train(out[name], code_dir, config, processes, cp, "--max-steps", STEPS, *extra)
     return out
@@ -96,23 +110,27 @@ pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_training_matches_one_process(layout, runs, tmp_path):
-    ours, one = _events(runs[layout], "train"), _events(runs["one"], "train")
+    reference = runs[MICROBATCHED.get(layout, "one")]
+    ours, one = _events(runs[layout], "train"), _events(reference, "train")
     assert [e["step"] for e in ours] == list(range(1, STEPS + 1))
     for a, b in zip(ours, one, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["tokens_seen"] == b["tokens_seen"] == a["step"] * ROWS * SEQ
-        assert a["qk_heads_clipped"] == b["qk_heads_clipped"]  # the MAX over cp
-    assert sum(e["qk_heads_clipped"] for e in ours) > 0
-    [val], [reference] = _events(runs[layout], "eval"), _events(runs["one"], "eval")
-    assert val["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6)
-    assert val["val_tokens"] == reference["val_tokens"]
-    state, alone = _final_state(runs[layout], tmp_path), _final_state(runs["one"], tmp_path)
+        if layout not in MICROBATCHED:  # rank 0 logs only its stages' heads under stages
+            assert a["qk_heads_clipped"] == b["qk_heads_clipped"]  # the MAX over cp
+    # Heads were rescaled (the weights below then prove it was done as one process did).
+    assert sum(e["qk_heads_clipped"] for e in (one if layout in MICROBATCHED else ours)) > 0
+    [val], [measured] = _events(runs[layout], "eval"), _events(reference, "eval")
+    assert val["val_loss"] == pytest.approx(measured["val_loss"], rel=1e-6)
+    assert val["val_tokens"] == measured["val_tokens"]
+    state, alone = _final_state(runs[layout], tmp_path), _final_state(reference, tmp_path)
     processes, cp, extra = LAYOUTS[layout]
+    pp = 2 if layout == "cp2-pp2" else 1
     assert state["data_parallel"] == {"mode": "fsdp", "world_size": processes, "cp": cp,
-                                      "dp": processes // cp,
+                                      "dp": processes // cp // pp,
                                       **({"expert_parallel": 2} if layout == "cp2-ep2"
-                                         else {})}
+                                         else {"pp": 2} if pp > 1 else {})}
     record = json.loads((runs[layout] / "run.json").read_text())
     assert record["sessions"][-1]["data_parallel"] == state["data_parallel"]
     assert record["train_config"]["context_parallel"] == cp
@@ -164,6 +182,15 @@ def test_a_context_parallel_run_resumes_bitwise_and_loads_into_one_process(
     assert [e["step"] for e in _events(alone, "train")][-1] == STEPS + 1
 
 
+def test_a_run_on_slices_of_pipeline_stages_resumes_bitwise(runs, config, code_dir, tmp_path):
+    run_dir = tmp_path / "resumed"
+    processes, cp, extra = LAYOUTS["cp2-pp2"]
+    _train(run_dir, code_dir, config, processes, cp, "--max-steps", 2, *extra)
+    _train(run_dir, code_dir, config, processes, cp, "--max-steps", STEPS, "--resume", *extra)
+    assert_bitwise_equal(_final_state(runs["cp2-pp2"], tmp_path),
+                         _final_state(run_dir, tmp_path))
+
+
 def test_a_mixture_s_loss_by_source_matches_one_process(config, code_dir, data_dir, tmp_path):
     """Each token's loss lives on one rank of a ``cp`` group and is counted once."""
     sources = [f"code={code_dir}:0.7", f"docs={data_dir}:0.3"]
@@ -181,9 +208,12 @@ def test_a_mixture_s_loss_by_source_matches_one_process(config, code_dir, data_d
     (["--parallel", "fsdp", "--cp", 5], f"--seq-len {SEQ} is not divisible by "
                                          "--context-parallel 5"),
     (["--parallel", "fsdp", "--cp", 2, "--pipeline-parallel", 2],
-     "--context-parallel with --pipeline-parallel is not supported"),
+     "the world size 1 is not dp·cp·pp = 1·2·2"),
     (["--parallel", "fsdp", "--context-parallel", 4], "less than one KDA chunk (16)"),
     (["--parallel", "fsdp", "--cp", 2], "the world size 1 is not dp·cp·pp"),
+    # Said by the --nproc launcher before torchrun starts (not once per rank under its report).
+    (["--parallel", "fsdp", "--nproc", 2, "--cp", 2, "--pp", 2],
+     "the world size 2 is not dp·cp·pp = 1·2·2 = 4"),
 ])
 def test_layouts_that_cannot_run_are_refused_in_one_line(flags, message, config, code_dir,
                                                          tmp_path):

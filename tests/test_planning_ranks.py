@@ -1,7 +1,8 @@
 """``k3-train plan``'s model-state bytes against what each rank really holds (torchrun,
 gloo, FSDP2; Muon and NorMuon): on 2 ranks FSDP 2 with and without ``--expert-parallel
 2``, two pipeline stages, context parallelism 2; on 4 ranks two stages over two data
-ranks and context parallelism 2 over two data ranks (each with and without EP 2). Parameters,
+ranks and context parallelism 2 over two data ranks (each with and without EP 2), and two
+stages over two context-parallel ranks each. Parameters,
 gradients and optimizer state to the byte, for every rank. Two torchrun launches
 (tests/planning_worker.py). Deselect with
 ``-m 'not distributed'``.
@@ -109,18 +110,20 @@ def _held(ranks: list[dict], key: str) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("normuon", [False, True])
-@pytest.mark.parametrize("name, ep", [("pp2xdp2", 1), ("pp2xdp2+ep2", 2)])
-def test_four_ranks_two_stages_over_two_data_ranks_to_the_byte(measured4, name, ep,
+@pytest.mark.parametrize("name, ep, dp, cp", [("pp2xdp2", 1, 2, 1), ("pp2xdp2+ep2", 2, 2, 1),
+                                              ("pp2xcp2", 1, 1, 2)])
+def test_four_ranks_two_stages_over_two_ranks_each_to_the_byte(measured4, name, ep, dp, cp,
                                                                normuon):
-    """``--pp 2`` on 4 ranks (mesh ``(pp, dp)``: ranks 0, 1 hold stage 0, sharded over
-    dp 2; ranks 2, 3 stage 1), with and without each stage's experts split over its two
-    data ranks: each stage's most loaded rank is the plan's stage, and every rank holds
-    what ``state_bytes`` says for its stage and shard."""
+    """``--pp 2`` on 4 ranks (mesh ``(pp, dp, cp)``: ranks 0, 1 hold stage 0, sharded over
+    its dp × cp = 2 ranks; ranks 2, 3 stage 1), over two data ranks with and without each
+    stage's experts split over them, or over two context-parallel ranks: each stage's
+    most loaded rank is the plan's stage, and every rank holds what ``state_bytes`` says
+    for its stage and shard."""
     config = preset("tiny", **OVERRIDES)
     inv = inventory(config)
     options = Options(precision="fp32", normuon=normuon)
-    plan = make_plan(inv, ParallelLayout(dp=2, pp=2, ep=ep, microbatches=2, batch_size=2,
-                                         seq_len=16), gpu("h100"), options)
+    plan = make_plan(inv, ParallelLayout(dp=dp, cp=cp, pp=2, ep=ep, microbatches=2,
+                                         batch_size=2, seq_len=16), gpu("h100"), options)
     real = _held(measured4, name + ("+normuon" if normuon else ""))
     planned = [(s.params_bytes, s.grads_bytes, s.optimizer_bytes) for s in plan.stages]
     assert planned == [max(real[0:2]), max(real[2:4])]

@@ -47,7 +47,7 @@ def _tiny():
      "need --pipeline-parallel 2 or more"),
     ({"pipeline_parallel": 1, "context_parallel": 2}, "ddp", 2, 4,
      "--context-parallel 2 needs --parallel fsdp"),
-    ({"context_parallel": 2}, "fsdp", 4, 4, "--context-parallel with --pipeline-parallel"),
+    ({"context_parallel": 2}, "fsdp", 2, 4, "the world size 2 is not dp·cp·pp = 1·2·2 = 4"),
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 63}, "fsdp", 2, 4,
      "seq_len (63) is not divisible by cp (2)"),
     ({"pipeline_parallel": 1, "context_parallel": 2}, "fsdp", 3, 4,
@@ -76,6 +76,8 @@ def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world,
     ({"pipeline_parallel": 1, "context_parallel": 2, "seq_len": 64, "downstream": "arc_easy"},
      2, 4),
     ({"downstream": "arc_easy"}, 2, 4),  # scored forward only through the stages
+    ({"context_parallel": 2, "seq_len": 64, "downstream": "arc_easy"}, 4, 4),  # on slices
+    ({"context_parallel": 2, "seq_len": 64, "expert_parallel": 2}, 8, 4),
 ])
 def test_a_layout_that_works_passes(fields, world, layers):
     check_launch(_config(**fields), "fsdp" if world > 1 else "none", world, n_blocks=layers)

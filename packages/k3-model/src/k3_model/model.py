@@ -245,13 +245,7 @@ class K3Model(nn.Module):
         if document_ids is not None:
             chunks = tuple(layer.attn.chunk_size for layer in self.layers
                            if isinstance(layer.attn, KimiDeltaAttention))
-            if cp is None:
-                documents = Documents.from_ids(document_ids, tuple(x.shape), chunks)
-            elif document_ids.shape != x.shape:
-                raise ValueError(f"document_ids must have the tokens' shape "
-                                 f"{tuple(x.shape)}, got {tuple(document_ids.shape)}")
-            else:  # from the whole rows' ids: documents that began on an earlier rank
-                documents = cp.documents(document_ids, chunks)
+            documents = self._documents(document_ids, tuple(x.shape), chunks)
         rope = self._rope(t, documents, x.device)
         h = self.norm(self._layers(self.embed(x), rope, documents=documents))
         if targets is None:
@@ -264,6 +258,20 @@ class K3Model(nn.Module):
                                reduction=reduction)
         # A copy, not a view: FSDP2 warns of a view among a root module's outputs.
         return logits, loss.view(targets.shape).clone() if reduction == "none" else loss
+
+    def _documents(self, ids: Tensor, shape: tuple[int, ...], chunks: tuple[int, ...]
+                   ) -> Documents:
+        """The :class:`Documents` of tokens shaped ``shape`` from their ``document_ids``
+        (``chunks``: the KDA chunk sizes to pack for); under context parallelism ``ids``
+        are this rank's slice and the layout comes from the whole rows' ids, gathered, so
+        a document that began on an earlier rank keeps its positions and state."""
+        cp = self._context_parallel
+        if cp is None:
+            return Documents.from_ids(ids, shape, chunks)
+        if tuple(ids.shape) != tuple(shape):
+            raise ValueError(f"document_ids must have the tokens' shape {tuple(shape)}, "
+                             f"got {tuple(ids.shape)}")
+        return cp.documents(ids, chunks)
 
     def _rope(self, t: int, documents: Documents | None, device: torch.device
               ) -> tuple[Tensor, Tensor] | None:

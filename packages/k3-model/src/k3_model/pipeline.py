@@ -14,6 +14,11 @@ inverse RMS is recomputed on the receiving stage, the same values); the document
 (``document_ids``, integers) reach every stage as a keyword argument of the schedule's
 ``step``. The MoE balancer's loads need not cross: each MoE layer, its balancer and its
 updates live on one stage, which sees every microbatch in order.
+
+Under context parallelism (:meth:`K3Model.set_context_parallel` on the cut model) each
+stage runs on this rank's slice of every row, as the whole model would: the token ids,
+the document ids and what crosses a boundary are ``(B, T/N, ·)``, and the stage's layers
+exchange what they need with the same stage on the other ranks of the group.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import torch
 from torch import Tensor, nn
 
 from .attn_res import inverse_rms
-from .documents import Documents
 from .kda import KimiDeltaAttention
 from .model import K3Model, residual_read
 
@@ -87,8 +91,10 @@ class StageForward(nn.Module):
         else:
             h, *blocks = inputs
         shape = tuple(h.shape[:2])
+        if model.context_parallel is not None:  # this rank's slice of every row
+            model.context_parallel.check_slice(shape[1], h.device)
         documents = (None if document_ids is None
-                     else Documents.from_ids(document_ids, shape, self._chunks))
+                     else model._documents(document_ids, shape, self._chunks))
         rope = model._rope(shape[1], documents, h.device)
         if size:
             eps = self.config.norm_eps
@@ -118,7 +124,8 @@ class StageForward(nn.Module):
 
     def example_io(self, rows: int, seq_len: int, dtype: torch.dtype = torch.float32
                    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """Meta tensors shaped like one microbatch's stage inputs and outputs, so that
+        """Meta tensors shaped like one microbatch's stage inputs and outputs (``seq_len``
+        the tokens of a row this stage runs: a slice's under context parallelism), so that
         ``PipelineStage`` needs no shape-inference forward (which would update the MoE
         balancers once more than one process does). The floating tensors that cross a
         boundary require grad: ``PipelineStage`` reads its static metadata's

@@ -76,11 +76,10 @@ class Parallel:
         self.context_group: Any = None  # None: no context parallelism
         self.shard_group: Any = None
         """The ranks holding this stage's layers, over which FSDP2 shards them (dp × cp):
-        the world without pipeline stages (None), else ``dp`` (stages refuse ``cp``)."""
+        the world without pipeline stages (None), else this stage's."""
+        self.shard_mesh: Any = None
+        """A 1-D device mesh of :attr:`shard_group` under pipeline stages (None without)."""
         self.pipeline_rank, self.data_rank, self.context_rank = 0, self.rank, 0
-        if pipeline > 1 and context > 1:
-            raise ConfigError("--context-parallel with --pipeline-parallel is not supported "
-                              "yet; drop one of them")
         if pipeline > 1 or context > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -93,7 +92,16 @@ class Parallel:
             self.data_rank = self.mesh.get_local_rank("dp")
             self.context_group = self.mesh["cp"].get_group() if context > 1 else None
             self.context_rank = self.mesh.get_local_rank("cp")
-            self.shard_group = self.data_group if pipeline > 1 else None
+        if pipeline > 1 and context > 1:
+            # Each stage's dp × cp ranks as one dimension of a second mesh over the same
+            # ranks (a stage's ranks are contiguous in the (pp, dp, cp) mesh).
+            self.shard_mesh = init_device_mesh(
+                device.type, (pipeline, self.data_parallel * context),
+                mesh_dim_names=("pp", "dp_cp"))["dp_cp"]
+        elif pipeline > 1:
+            self.shard_mesh = self.mesh["dp"]
+        if self.shard_mesh is not None:
+            self.shard_group = self.shard_mesh.get_group()
 
     @property
     def is_main(self) -> bool:
@@ -174,10 +182,10 @@ class Parallel:
         if self._experts is not None:
             ignored = set(self._experts.parameters(model))
         if stages is not None:
-            if self.data_parallel > 1:
+            if self.data_parallel * self.context_parallel > 1:
                 from torch.distributed.fsdp import fully_shard
 
-                mesh = self.mesh["dp"]
+                mesh = self.shard_mesh
                 for block in read_contract(model).blocks():
                     fully_shard(block, mesh=mesh, reshard_after_forward=False,
                                 ignored_params=ignored)
@@ -289,6 +297,13 @@ class Parallel:
     def data_sum_(self, tensor: Tensor) -> Tensor:
         """Sum over the data ranks of this stage, in place; returns it."""
         return self._all_reduce(tensor, dist.ReduceOp.SUM, self.data_group)
+
+    def context_sum_(self, tensor: Tensor) -> Tensor:
+        """Sum over the context-parallel ranks of this data rank and stage, in place (each
+        slice's scores of the same rows); nothing without context parallelism."""
+        if self.context_parallel == 1:
+            return tensor
+        return self._all_reduce(tensor, dist.ReduceOp.SUM, self.context_group)
 
     def pipeline_sum_(self, tensor: Tensor) -> Tensor:
         """Sum over the stages of this data rank, in place (the squared gradient norms of

@@ -16,6 +16,13 @@ function divides each microbatch's mean token loss by the microbatch count of th
 update (``M × gradient_accumulation_steps``), exactly what one process's gradient
 accumulation backpropagates; gradients then sum over microbatches and are not averaged
 a second time.
+
+With context parallelism (``--cp N``, :mod:`k3_trainer.context`) the stages run on this
+rank's slice of every row: the schedule is given the slices of the token and document
+ids (what crosses a boundary is ``(rows, seq_len / N, ·)``) and the whole rows' targets,
+so the loss function scores the slice's targets and divides by the whole rows' count
+(:class:`~k3_trainer.context.Slices`); the stage's ``dp × cp`` ranks then average the
+gradients of ``N`` times that share, which is one process's gradient.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import TrainConfig
+from .context import Slices
 
 if TYPE_CHECKING:
     from k3_qkclip import QKClipPolicy
@@ -76,6 +84,9 @@ class Pipeline:
         """Each kept parameter's index among the whole model's (``model.parameters()``
         order) and their count: :func:`~k3_trainer.distributed.clip_grad_norm` lays the
         stages' norms out as one process would."""
+        self.slices = (Slices(parallel.context_rank, parallel.context_parallel)
+                       if parallel.context_parallel > 1 else None)
+        """This rank's slice of every row under context parallelism (None: whole rows)."""
         self._scale = 1.0
         self._scale_loss: Callable[[Tensor], Tensor] = _same
         self._values: list[Tensor] = []
@@ -89,22 +100,32 @@ class Pipeline:
 
         parallel, config, hooks = self.parallel, self.config, self.hooks
         rows = config.batch_size // self.count
+        length = config.seq_len // parallel.context_parallel  # a slice of every row
         stages: list[Any] = []
         for module, s in zip(self.modules, self.indices, strict=True):
             # What crosses a boundary has the parameters' dtype (autocast's matmuls add
             # into that residual stream).
             dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
             inputs, outputs = module.example_io(  # type: ignore[operator]
-                rows, config.seq_len, dtype)
+                rows, length, dtype)
             stages.append(pipelining.PipelineStage(
                 module, s, self.total, parallel.device, group=parallel.pipeline_group,
                 input_args=inputs, output_args=outputs))
-        last_module = self.modules[-1]
+        last_module, slices = self.modules[-1], self.slices
 
         def loss_fn(output: Tensor, targets: Tensor) -> Tensor:
             if self._capture is not None:  # scoring (forward only): the outputs themselves
                 self._capture(len(self._values), output, targets)
-            if self._tokens is None:
+            if slices is not None:  # the slice's share of the whole rows' mean
+                token_losses = hooks.loss(last_module, output, slices.own(targets),
+                                          reduction="none")
+                if self._tokens is not None:
+                    self._tokens(len(self._values), slices.spread(token_losses),
+                                 slices.mine(targets))
+                    loss = token_losses.sum() / targets.numel()
+                else:
+                    loss = slices.share(token_losses, targets)
+            elif self._tokens is None:
                 loss = hooks.loss(last_module, output, targets)
             else:  # every target's loss kept (microbatches reach here in order)
                 token_losses = hooks.loss(last_module, output, targets, reduction="none")
@@ -112,6 +133,8 @@ class Pipeline:
                 loss = token_losses.sum() / targets.numel()
             loss = loss / self._scale
             self._values.append(loss.detach().float())
+            if slices is not None:  # averaged over dp × cp, the shares must sum over cp
+                loss = loss * slices.gradient_scale
             return self._scale_loss(loss)
 
         multi = _multi_stage()
@@ -134,37 +157,52 @@ class Pipeline:
         (a mixture's loss by source); the loss is then their sum over the targets."""
         self._scale, self._scale_loss, self._values = float(scale), scale_loss or _same, []
         self._tokens = tokens
+        inputs, documents = self._inputs(x, kwargs)
         try:
-            self.schedule.step(x, target=y, return_outputs=False, **kwargs)
+            self.schedule.step(inputs, target=y, return_outputs=False, **documents)
         finally:
             self._tokens = None
         return self._sum()
+
+    def _inputs(self, x: Tensor, kwargs: dict[str, Tensor]
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The schedule's token ids and keyword tensors (document ids): this rank's slice
+        of every row under context parallelism, else as given."""
+        if self.slices is None:
+            return x, kwargs
+        own = self.slices.own
+        return own(x), {name: own(value) for name, value in kwargs.items()}
 
     @torch.no_grad()
     def evaluate(self, x: Tensor, y: Tensor, **kwargs: Tensor) -> Tensor:
         """The batch's mean token loss (the microbatches' mean) on the last stage, forward
         only; zero elsewhere."""
         self._scale, self._scale_loss, self._values = float(self.count), _same, []
-        self.schedule.eval(x, target=y, **kwargs)
+        inputs, documents = self._inputs(x, kwargs)
+        self.schedule.eval(inputs, target=y, **documents)
         return self._sum()
 
     @torch.no_grad()
     def score(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Forward only through the stages: each target's log-probability (float64) and
         whether it is the most likely token, ``y``'s shape, on every rank of this
-        pipeline (the last stage's, summed over the pipeline ranks)."""
+        pipeline (the last stage's, summed over the pipeline ranks; under context
+        parallelism each slice's, summed over the ``cp`` ranks too)."""
         from .tasks.scoring import target_logprobs
 
         logits = self.hooks.logits
         assert logits is not None, "the model's PipelineHooks have no logits hook"
         found = torch.zeros((2, *y.shape), dtype=torch.float64, device=self.parallel.device)
         rows = y.shape[0] // self.count
-        last = self.modules[-1]
+        last, slices = self.modules[-1], self.slices
+        length = y.shape[1] // (1 if slices is None else slices.size)
+        first = 0 if slices is None else slices.rank * length  # this slice's first column
 
         def capture(index: int, output: Tensor, targets: Tensor) -> None:
-            logprob, best = target_logprobs(logits(last, output), targets)
-            at = slice(index * rows, (index + 1) * rows)
-            found[0, at], found[1, at] = logprob.double(), best.double()
+            mine = targets if slices is None else slices.own(targets)
+            logprob, best = target_logprobs(logits(last, output), mine)
+            at, columns = slice(index * rows, (index + 1) * rows), slice(first, first + length)
+            found[0, at, columns], found[1, at, columns] = logprob.double(), best.double()
 
         self._capture = capture
         try:
@@ -172,6 +210,7 @@ class Pipeline:
         finally:
             self._capture = None
         self.parallel.pipeline_sum_(found)
+        self.parallel.context_sum_(found)
         return found[0], found[1] > 0.5
 
     def _sum(self) -> Tensor:

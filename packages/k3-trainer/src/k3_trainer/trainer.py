@@ -40,7 +40,7 @@ from .checkpoint.components import CALLBACKS, COUNTERS, GRAD_SCALER, LOADERS, MO
 from .checkpoint.saves import WRITE_FAILED, Saves
 from .compiling import CompileClock, prepare_model
 from .config import TrainConfig
-from .context import ContextSlices
+from .context import ContextSlices, Slices
 from .contract import ModelContract, check_model, check_takes_documents, takes_reduction
 from .data import BatchLoader, DataExhausted, check_vocab_fits
 from .data.documents import document_boundary, document_ids
@@ -134,12 +134,12 @@ class Trainer:
         if vocab is not None:
             check_vocab_fits(self.loaders.train, vocab)
         self.forward = parallel.module if parallel is not None and parallel.module else model
-        self.slices: ContextSlices | None = None
-        """This rank's slice of the rows under context parallelism (None: whole rows)."""
-        if parallel is not None and parallel.context_parallel > 1:
-            self.slices = ContextSlices(self.forward, parallel.context_rank,
-                                        parallel.context_parallel)
-            self.forward = self.slices
+        self.slices: Slices | None = None
+        """This rank's slice of the rows under context parallelism (None: whole rows, or
+        pipeline stages, which slice the rows themselves)."""
+        if parallel is not None and parallel.context_parallel > 1 and self.pipeline is None:
+            self.slices = Slices(parallel.context_rank, parallel.context_parallel)
+            self.forward = ContextSlices(self.forward, self.slices)
         self._document_boundary: int | None = None
         """The end-of-document id when documents are kept apart (``document_masking``)."""
         if config.document_masking:
@@ -562,7 +562,7 @@ class Trainer:
             evaluated = self.model if self.pipeline is None else PipelineEvaluation(
                 self.pipeline, self.model)
             if self.slices is not None:
-                evaluated = self.slices
+                evaluated = self.forward
             result = evaluate_split(
                 evaluated, self.loaders.val, self.device,
                 self.config.validation_batches(self.loaders.val.tokens_per_batch),

@@ -127,6 +127,16 @@ def _main(argv: list[str] | None) -> int:
             print("k3-train: error: --nproc needs --parallel ddp or --parallel fsdp",
                   file=sys.stderr)
             return 2
+        from .train import refused_launch
+
+        try:
+            refused = refused_launch(options, options.nproc)
+        except KeyboardInterrupt:
+            print(f"k3-train: interrupted; {_what_is_kept(options)}", file=sys.stderr)
+            return 130
+        if refused is not None:  # once here, not once per rank under torchrun's report
+            print(f"k3-train: error: {refused}", file=sys.stderr)
+            return 2
         return relaunch(options.nproc, arguments)
     from k3_checkpoint import CheckpointError
 

@@ -13,8 +13,10 @@ import k3_checkpoint
 
 from ..checkpoint import HISTORY, CheckpointHistory
 from ..checkpoint.compatibility import PHASE_MAY_CHANGE
+from ..config import ConfigError
+from ..data import DataError
 from ..data.loader import DataMismatch
-from ..session import Plan, RunError, TrainRequest, read_record
+from ..session import Plan, RunError, TrainRequest, check_before_launch, read_record
 from ..session import train as train_session
 from .launch import prog_name
 from .options import TrainCommand
@@ -32,6 +34,17 @@ def run(command: TrainCommand, notes: tuple[str, ...] = ()) -> int:
         result=lambda line: print(f"{who}: {line}"),
         explain=explain,
     )
+
+
+def refused_launch(command: TrainCommand, processes: int) -> str | None:
+    """Why every rank of ``train --nproc processes`` would refuse to start (one line), or
+    None: said by the launcher before torchrun starts any process."""
+    try:
+        check_before_launch(request_of(command), processes)
+    except (ConfigError, DataError, k3_checkpoint.CheckpointError, RunError,
+            FileNotFoundError) as exc:
+        return str(exc)
+    return None
 
 
 def request_of(command: TrainCommand) -> TrainRequest:

@@ -175,10 +175,10 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
                  model_config: Any = None) -> None:
     """Refuse, in one :class:`~k3_trainer.config.ConfigError` line, a layout ``k3-train
     train`` cannot launch, before any process group exists: what this trainer does not
-    run (stages or context parallelism without FSDP2, pipeline stages beside context
-    parallelism, a model without the hooks: in-loop downstream tasks under stages need
-    its logits hook), then :func:`validate_layout`, the planner's own decision, on the
-    layout ``world_size`` processes make of ``config`` (``mode`` none/ddp/fsdp)."""
+    run (stages or context parallelism without FSDP2, a model without the hooks: in-loop
+    downstream tasks under stages need its logits hook), then :func:`validate_layout`,
+    the planner's own decision, on the layout ``world_size`` processes make of
+    ``config`` (``mode`` none/ddp/fsdp)."""
     pp, per_rank, cp = config.pipeline_parallel, config.pp_stages_per_rank, config.context_parallel
     if pp == 1 and (per_rank != 1 or config.pp_microbatches is not None):
         raise ConfigError("--pp-stages-per-rank and --pp-microbatches need "
@@ -187,9 +187,6 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
         if degree > 1 and mode != "fsdp":
             raise ConfigError(f"{flag} {degree} needs --parallel fsdp (FSDP2 shards the "
                               "parameters over the data ranks; DDP is not supported with it)")
-    if pp > 1 and cp > 1:
-        raise ConfigError("--context-parallel with --pipeline-parallel is not supported yet; "
-                          "drop one of them")
     if pp > 1 and (config.pp_schedule in MULTI_STAGE) != (per_rank > 1):
         raise ConfigError(f"--pp-schedule {config.pp_schedule} needs --pp-stages-per-rank 2 "
                           "or more" if per_rank == 1 else f"--pp-stages-per-rank {per_rank} "

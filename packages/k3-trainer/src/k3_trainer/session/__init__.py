@@ -8,13 +8,14 @@ parses its flags into a :class:`TrainRequest`, calls these and prints.
 - :mod:`.run_dir`: what a run directory holds (its record, its checkpoints by step);
 - :mod:`.plan`: :func:`resolve`, the session's :class:`Plan` before anything is built;
 - :mod:`.build`: the device, loaders, model and ``Trainer`` a plan builds;
-- :mod:`.execute`: :func:`execute` a plan, or :func:`train` a request end to end;
+- :mod:`.execute`: :func:`execute` a plan, or :func:`train` a request end to end
+  (:func:`check_before_launch`: what it would refuse, before its processes start);
 - :mod:`.opened`: :func:`open_model`, :func:`restore`, :func:`pretrained` for reading;
 - :mod:`.messages`: how a session says what it does (a ``say`` callable).
 """
 
 from .build import build_trainer, loaders, parse_device, seed_everything
-from .execute import execute, train
+from .execute import check_before_launch, execute, train
 from .messages import Say
 from .opened import Opened, Restored, open_model, pretrained, restore
 from .plan import Plan, resolve
@@ -30,6 +31,7 @@ __all__ = [
     "Say",
     "TrainRequest",
     "build_trainer",
+    "check_before_launch",
     "checkpoint_at",
     "execute",
     "loaders",

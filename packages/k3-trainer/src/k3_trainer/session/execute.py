@@ -65,10 +65,7 @@ def train(
     resolve the plan on every rank, execute it, and leave the group cleanly; returns the
     exit status (0: trained, or already complete)."""
     plan = resolve(request, notes, say)
-    n_layers = getattr(plan.model_config, "n_layers", None)
-    check_launch(plan.config, request.parallel, launched_world_size(),  # before any group
-                 n_blocks=n_layers if isinstance(n_layers, int) else None,
-                 spec=plan.spec, model_config=plan.model_config)
+    _check_launch(plan, launched_world_size())  # before any group
     parallel, device = init_parallel(request.parallel, parse_device(request.device),
                                      plan.config.pipeline_parallel,
                                      plan.config.context_parallel)
@@ -79,6 +76,27 @@ def train(
         return status
     finally:
         shutdown(parallel, clean=clean)
+
+
+def check_before_launch(request: TrainRequest, world_size: int) -> None:
+    """Raise what :func:`train` on each of ``world_size`` processes would refuse before
+    any process group, before they are launched (``k3-train train --nproc N``), so a
+    layout that cannot run is one line from the launcher, not one per rank under
+    torchrun's report. The plan is resolved as every rank will resolve it, saying
+    nothing (the ranks say it); nothing is written but the built-in corpus, prepared
+    once here instead of by every rank."""
+    _check_launch(resolve(request, (), _silent), world_size)
+
+
+def _check_launch(plan: Plan, world_size: int) -> None:
+    n_layers = getattr(plan.model_config, "n_layers", None)
+    check_launch(plan.config, plan.request.parallel, world_size,
+                 n_blocks=n_layers if isinstance(n_layers, int) else None,
+                 spec=plan.spec, model_config=plan.model_config)
+
+
+def _silent(line: str) -> None:
+    pass
 
 
 def execute(
