@@ -246,3 +246,27 @@ def test_every_training_session_keeps_the_report_current(data_dir, tmp_path, cap
     assert "<tr><th>preset</th><td>tiny</td></tr>" in index  # the default, kept on resume
     assert f"<tr><th>data</th><td>{data_dir.resolve()}</td></tr>" in index
     assert index.count("<figcaption>") == len(list((run / "report").glob("*.png"))) == 7
+
+
+def test_pipeline_stages_figures_combine_as_one_process_s():
+    """Each stage observes its own layers; rank 0 logs every stage's (the per-layer fields
+    side by side, each whole-model figure by its rule), and keeps its own of the rest."""
+    from k3_trainer.observe.stages import combine_stages, layer_figures
+
+    first = {"loss": 2.0, "moe_load_cv": 0.5, "moe_dead_experts": 1, "moe_max_load_ratio": 2.5,
+             "moe_bias_min": -0.1, "moe_bias_max": 0.2, "moe_load_cv/layers.1.mlp": 0.5,
+             "moe_expert_load/layers.1.mlp": [1.0, 3.0], "moe_all_to_all_bytes_per_step": 8}
+    last = {"loss": 0.0, "qk_max_logit": 31.0, "qk_heads_clipped": 3, "qk_min_gamma": 0.9,
+            "qk_max_logit/layers.3.attn": 31.0, "moe_load_cv": 0.7, "moe_dead_experts": 2,
+            "moe_max_load_ratio": 1.5, "moe_bias_min": -0.3, "moe_bias_max": 0.1,
+            "moe_load_cv/layers.2.mlp": 0.7, "moe_all_to_all_bytes_per_step": 16}
+    assert "loss" not in layer_figures(first)
+    assert "moe_all_to_all_bytes_per_step" not in layer_figures(first)
+    combined = combine_stages([layer_figures(first), layer_figures(last)])
+    assert combined == {
+        "moe_load_cv/layers.1.mlp": 0.5, "moe_expert_load/layers.1.mlp": [1.0, 3.0],
+        "qk_max_logit/layers.3.attn": 31.0, "moe_load_cv/layers.2.mlp": 0.7,
+        "qk_max_logit": 31.0, "qk_heads_clipped": 3, "qk_min_gamma": 0.9,
+        "moe_load_cv": 0.7, "moe_dead_experts": 3, "moe_max_load_ratio": 2.5,
+        "moe_bias_min": -0.3, "moe_bias_max": 0.2}
+    assert combine_stages([layer_figures(first)]) == layer_figures(first)

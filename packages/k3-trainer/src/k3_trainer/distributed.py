@@ -312,6 +312,16 @@ class Parallel:
             return tensor
         return self._all_reduce(tensor, dist.ReduceOp.SUM, self.pipeline_group)
 
+    def pipeline_gather(self, value: Any) -> list[Any]:
+        """Every pipeline rank's ``value`` (a small picklable object: a log window's
+        per-layer figures) in pipeline-rank order, for this data rank's stages;
+        ``[value]`` without pipeline stages."""
+        if self.pipeline == 1:
+            return [value]
+        found: list[Any] = [None] * self.pipeline
+        dist.all_gather_object(found, value, group=self.pipeline_group)
+        return found
+
     def any(self, flag: bool) -> bool:
         """True on every rank when true on at least one (a rejection anywhere is one
         everywhere)."""

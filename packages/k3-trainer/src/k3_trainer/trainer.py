@@ -49,6 +49,7 @@ from .evaluation import evaluate_split
 from .interrupt import TrainingInterrupted
 from .observe import MoEDiagnostics, TrainingProfiler, TrainingWindow, event_record
 from .observe.sources import SourceLosses
+from .observe.stages import combine_stages, layer_figures
 from .pipeline import Pipeline, PipelineEvaluation, TokenLosses, stage_qk_policy
 from .precision import (
     autocast,
@@ -548,12 +549,17 @@ class Trainer:
             by_source = getattr(self.loaders.train, "tokens_by_source", None)
             losses = {} if self.by_source is None else {"loss_by_source": self.by_source.summary(
                 self.parallel.sum_ if self.parallel is not None else None)}
+            figures = {**self.window.summary(self.profiler),
+                       **self.moe.summary(self.window.updates + self.window.skipped)}
+            if self.parallel is not None and self.pipeline is not None:
+                # Each stage observed only its own layers: every stage's, as one process's.
+                figures.update(combine_stages(
+                    self.parallel.pipeline_gather(layer_figures(figures))))
             self._event("train", step=self.state.step, tokens_seen=self.state.tokens_seen,
                         **({"tokens_by_source": by_source()} if callable(by_source) else {}),
                         **losses,
                         skipped_updates=self.state.skipped_updates,
-                        **self.window.summary(self.profiler),
-                        **self.moe.summary(self.window.updates + self.window.skipped))
+                        **figures)
             self.window.reset(self.profiler)
 
     def evaluate(self) -> None:
