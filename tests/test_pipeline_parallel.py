@@ -28,6 +28,8 @@ from test_distributed_training import (
     one_launch_at_a_time,
 )
 
+from k3_trainer import read_events
+
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "pipeline_worker.py"
 STEPS = 3
@@ -118,6 +120,40 @@ def test_an_impossible_pipeline_layout_is_refused_in_one_line(flags, message, tm
                       "--run-dir", run_dir, *flags)
     assert_one_line_error(result, message, code=2)
     assert not run_dir.exists()
+
+
+def _train_v(run_dir: Path, data: Path, schedule: str, *flags: object) -> list[dict]:
+    """``k3-train train --nproc 2 --pp 2`` under a V-shaped schedule; its events."""
+    done = _run([sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", run_dir,
+                 "--data", data, "--nproc", 2, "--parallel", "fsdp", "--pp", 2,
+                 "--pp-schedule", schedule, "--pp-stages-per-rank", 2, "--pp-microbatches", 4,
+                 "--batch-size", 4, "--seq-len", 64, "--max-steps", STEPS, "--eval-batches", 2,
+                 *flags], timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return read_events(run_dir / "metrics.jsonl")
+
+
+@needs_torchrun
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_v_shaped_schedule_validates_as_one_process_does(schedule, tmp_path, data_dir):
+    """torch's V-shaped schedules cannot run forward only (their ``eval()`` fails at the
+    hand-over between a rank's two adjacent stages), so validation runs a training step
+    whose losses are multiplied by zero and drops its gradients. The validation loss
+    equals one process evaluating the checkpoint, and (``zbv``) the training is that of a
+    run validating only at its end."""
+    run_dir = tmp_path / "v"
+    events = _train_v(run_dir, data_dir, schedule, "--eval-interval", 1)
+    logged = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in logged] == list(range(1, STEPS + 1))
+    alone = k3_train("eval", "--run-dir", run_dir, "--device", "cpu", "--batches", 2)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    val_loss = float(alone.stdout.split("val_loss ")[1].split(",")[0])
+    assert val_loss == pytest.approx(logged[-1]["val_loss"], abs=6e-5)  # printed to 4 places
+    if schedule == "zbv":
+        once = _train_v(tmp_path / "once", data_dir, schedule, "--eval-interval", 100)
+        assert [e["loss"] for e in events if e["event"] == "train"] == \
+            [e["loss"] for e in once if e["event"] == "train"]
+        assert [e for e in once if e["event"] == "eval"][-1]["val_loss"] == logged[-1]["val_loss"]
 
 
 @needs_torchrun

@@ -61,7 +61,7 @@ class Pipeline:
                  config: TrainConfig) -> None:
         # Here, not at the top: the planning package loads k3_model and the model
         # inventory, which importing the trainer does not need.
-        from .planning.layout import microbatches, stage_blocks, stage_rank
+        from .planning.layout import V_SHAPED, microbatches, stage_blocks, stage_rank
 
         self.parallel, self.config, self.hooks = parallel, config, hooks
         self.count = microbatches(config)
@@ -93,6 +93,9 @@ class Pipeline:
         self._tokens: TokenLosses | None = None
         self._capture: Callable[[int, Tensor, Tensor], None] | None = None
         self.schedule: Any = None
+        self.v_shaped = config.pp_schedule in V_SHAPED
+        """A V-shaped schedule (a rank holds two adjacent stages), which torch cannot run
+        forward only (:meth:`_forward_through_a_v`)."""
 
     def start(self) -> None:
         """Build the ``PipelineStage``s and the schedule (after sharding and compile)."""
@@ -179,8 +182,28 @@ class Pipeline:
         only; zero elsewhere."""
         self._scale, self._scale_loss, self._values = float(self.count), _same, []
         inputs, documents = self._inputs(x, kwargs)
-        self.schedule.eval(inputs, target=y, **documents)
+        if self.v_shaped:
+            self._forward_through_a_v(inputs, y, documents)
+        else:
+            self.schedule.eval(inputs, target=y, **documents)
         return self._sum()
+
+    def _forward_through_a_v(self, inputs: Tensor, y: Tensor, documents: dict[str, Tensor]
+                             ) -> None:
+        """Forward only under a V-shaped schedule (``zbv``, ``dualpipev``), whose own
+        ``eval()`` cannot run: torch's runtime still performs the backward actions there,
+        and the hand-over between a rank's two adjacent stages fails ("can't
+        steal_bwd_input if this stage doesn't have backward", torch 2.13 and 2.14). A
+        training step runs instead, its every loss times zero, and the gradients it leaves
+        are dropped: the same forward values and losses, at the cost of a backward."""
+        self._scale_loss = _zero
+        try:
+            with torch.enable_grad():
+                self.schedule.step(inputs, target=y, return_outputs=False, **documents)
+        finally:
+            for module in self.modules:
+                for parameter in module.parameters():
+                    parameter.grad = None
 
     @torch.no_grad()
     def score(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -202,7 +225,8 @@ class Pipeline:
             mine = targets if slices is None else slices.own(targets)
             logprob, best = target_logprobs(logits(last, output), mine)
             at, columns = slice(index * rows, (index + 1) * rows), slice(first, first + length)
-            found[0, at, columns], found[1, at, columns] = logprob.double(), best.double()
+            found[0, at, columns] = logprob.detach().double()
+            found[1, at, columns] = best.double()
 
         self._capture = capture
         try:
@@ -253,6 +277,10 @@ def stage_qk_policy(model: nn.Module, policy: QKClipPolicy) -> QKClipPolicy:
 
 def _same(loss: Tensor) -> Tensor:
     return loss
+
+
+def _zero(loss: Tensor) -> Tensor:
+    return loss * 0.0
 
 
 class PipelineEvaluation(nn.Module):
