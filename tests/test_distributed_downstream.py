@@ -21,7 +21,8 @@ STEPS, LIMIT = 4, 6
 
 @pytest.mark.distributed
 @needs_torchrun
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-cp2", "fsdp-pp2", "fsdp-cp2-pp2"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-cp2", "fsdp-pp2", "fsdp-cp2-pp2",
+                                      "fsdp-pp2-ep2"])
 def test_two_ranks_score_the_tasks_as_one_process_does(parallel, tmp_path, data_dir):
     """``fsdp-cp2``: context parallelism 2, where training runs on half-rows and each rank
     scores whole documents of its share through the decoding path, which context
@@ -29,14 +30,17 @@ def test_two_ranks_score_the_tasks_as_one_process_does(parallel, tmp_path, data_
     pipeline stages; the documents go forward only through the stages, padded to the
     stages' fixed ``batch × seq_len`` (here the model's window, so no context is cut).
     ``fsdp-cp2-pp2`` (4 processes): the same through stages that each run on their
-    rank's half of every row, the slices' scores summed over ``cp``; the run without
-    scoring is left to ``fsdp-pp2``, whose scoring path this is."""
+    rank's half of every row, the slices' scores summed over ``cp``. ``fsdp-pp2-ep2`` (4
+    processes, Kimi K2's layout): two stages over two data ranks, each MoE layer's
+    experts split over them, the documents scored through the experts where they live.
+    The runs without scoring are left to ``fsdp-pp2``, whose scoring path these are."""
     mode, _, degree = parallel.partition("-")
     layout = {"cp2": {"seq_len": 64, "context_parallel": 2},
               "pp2": {"seq_len": 256, "pipeline_parallel": 2},
               "cp2-pp2": {"seq_len": 256, "pipeline_parallel": 2, "context_parallel": 2},
+              "pp2-ep2": {"seq_len": 256, "pipeline_parallel": 2, "expert_parallel": 2},
               }.get(degree, {})
-    processes = 4 if degree == "cp2-pp2" else 2
+    processes = 4 if degree in ("cp2-pp2", "pp2-ep2") else 2
 
     def train(name: str, **downstream: object) -> tuple[Path, list[dict]]:
         config = tmp_path / f"{name}.toml"

@@ -54,6 +54,8 @@ def _tiny():
      "the world size 3 is not dp·cp·pp = 1·2·1 = 2"),
     ({"pipeline_parallel": 1, "expert_parallel": 4}, "fsdp", 2, 4,
      "ep (4) must divide dp·cp (2)"),
+    ({"pipeline_parallel": 1, "expert_parallel": 2, "downstream": "arc_easy"}, "fsdp", 2, 4,
+     "--downstream scores each rank's share of the documents with every expert"),
 ])
 def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world, layers,
                                                             message):
@@ -78,6 +80,7 @@ def test_a_layout_that_cannot_work_is_refused_with_one_line(fields, mode, world,
     ({"downstream": "arc_easy"}, 2, 4),  # scored forward only through the stages
     ({"context_parallel": 2, "seq_len": 64, "downstream": "arc_easy"}, 4, 4),  # on slices
     ({"context_parallel": 2, "seq_len": 64, "expert_parallel": 2}, 8, 4),
+    ({"expert_parallel": 2, "downstream": "arc_easy"}, 4, 4),  # through the stages' experts
 ])
 def test_a_layout_that_works_passes(fields, world, layers):
     check_launch(_config(**fields), "fsdp" if world > 1 else "none", world, n_blocks=layers)

@@ -175,8 +175,9 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
                  model_config: Any = None) -> None:
     """Refuse, in one :class:`~k3_trainer.config.ConfigError` line, a layout ``k3-train
     train`` cannot launch, before any process group exists: what this trainer does not
-    run (stages or context parallelism without FSDP2, a model without the hooks: in-loop
-    downstream tasks under stages need its logits hook), then :func:`validate_layout`,
+    run (stages or context parallelism without FSDP2, in-loop downstream tasks with
+    experts split but no stages, a model without the hooks: in-loop downstream tasks
+    under stages need its logits hook), then :func:`validate_layout`,
     the planner's own decision, on the layout ``world_size`` processes make of
     ``config`` (``mode`` none/ddp/fsdp)."""
     pp, per_rank, cp = config.pipeline_parallel, config.pp_stages_per_rank, config.context_parallel
@@ -191,6 +192,11 @@ def check_launch(config: TrainConfig, mode: str, world_size: int, *,
         raise ConfigError(f"--pp-schedule {config.pp_schedule} needs --pp-stages-per-rank 2 "
                           "or more" if per_rank == 1 else f"--pp-stages-per-rank {per_rank} "
                           f"needs --pp-schedule {INTERLEAVED}, zbv or dualpipev")
+    if pp == 1 and config.downstream is not None and config.expert_parallel > 1:
+        raise ConfigError("--downstream scores each rank's share of the documents with every "
+                          "expert, which --expert-parallel splits over the ranks; score the "
+                          "checkpoints afterwards (k3-train eval --tasks), or add pipeline "
+                          "stages (--pp), which score through the experts where they live")
     if pp > 1 and config.downstream is not None and spec is not None and (
             spec.pipeline is None or spec.pipeline.logits is None):
         raise ConfigError(f"--downstream with --pipeline-parallel > 1: the model "

@@ -243,12 +243,6 @@ def _downstream(plan: Plan, trainer: Trainer) -> DownstreamEvaluator | None:
     config = plan.config
     if config.downstream is None:
         return None
-    if config.expert_parallel > 1:
-        raise ConfigError(
-            "--downstream scores every rank's share with all the experts; "
-            "with --expert-parallel > 1 score the checkpoints afterwards "
-            "(k3-train eval --tasks)"
-        )
     if config.context_parallel > 1 and not hasattr(trainer.model, "score_continuations"):
         # Its plain forward takes this rank's slice of every row; each rank scores
         # whole documents of its own share, which only the decoding path does.
