@@ -68,10 +68,10 @@ class Slices:
         return kept
 
     def spread(self, losses: Tensor) -> Tensor:
-        """The slice's per-target ``losses`` ``(B, T/N)`` in the whole rows' shape, zero
-        outside this slice (each token's loss lives on one rank: sums over the ranks are
-        the whole rows')."""
-        part = losses.shape[1]
+        """The slice's per-target ``losses`` ``(…, B, T/N)`` in the whole rows' shape,
+        zero outside this slice (each token's loss lives on one rank: sums over the ranks
+        are the whole rows')."""
+        part = losses.shape[-1]
         return torch.nn.functional.pad(
             losses, (self.rank * part, (self.size - 1 - self.rank) * part))
 

@@ -218,15 +218,14 @@ class Pipeline:
         found = torch.zeros((2, *y.shape), dtype=torch.float64, device=self.parallel.device)
         rows = y.shape[0] // self.count
         last, slices = self.modules[-1], self.slices
-        length = y.shape[1] // (1 if slices is None else slices.size)
-        first = 0 if slices is None else slices.rank * length  # this slice's first column
 
         def capture(index: int, output: Tensor, targets: Tensor) -> None:
             mine = targets if slices is None else slices.own(targets)
             logprob, best = target_logprobs(logits(last, output), mine)
-            at, columns = slice(index * rows, (index + 1) * rows), slice(first, first + length)
-            found[0, at, columns] = logprob.detach().double()
-            found[1, at, columns] = best.double()
+            both = torch.stack([logprob.detach().double(), best.double()])
+            at = slice(index * rows, (index + 1) * rows)
+            # Under context parallelism the slice's columns, zeros elsewhere (summed below).
+            found[:, at] = both if slices is None else slices.spread(both)
 
         self._capture = capture
         try:
