@@ -258,11 +258,11 @@ def main() -> None:
                         latent.append({"model": name, **steps(model, context, batch, rounds,
                                                                per_round, latent_forms=True)})
                     print(f"{name} context {context} batch {batch}: done", flush=True)
-            docs = 4 if args.quick else 16
+            docs = 2 if args.quick else 16
             synthetic = _requests(docs, 200, [5, 8, 12, 6], model.config.vocab_size)
             label = "200-token context, 4 continuations (5, 8, 12, 6 tokens)"
             scores.append({"model": name, **scoring(model, rounds, synthetic, label, hf)})
-            arc = _arc_easy(8 if args.quick else 64) if name == "kimi-linear-tiny" else None
+            arc = _arc_easy(4 if args.quick else 64) if name == "kimi-linear-tiny" else None
             if arc is not None:
                 scores.append({"model": name, **scoring(
                     model, rounds, arc, "ARC-Easy, byte-encoded as eval --tasks", hf)})

@@ -164,6 +164,8 @@ class Setup:
     """Downstream tasks scored on each run's final model (comma-separated; "" none)."""
     downstream_limit: int = 0
     """Their first documents scored."""
+    eval_batches: int = 0
+    """Validation batches per evaluation (0: the whole split; ``--quick`` caps it)."""
 
 
 # --- one run (in a worker process) ---------------------------------------------------
@@ -266,11 +268,13 @@ def run_one(candidate: Candidate, setup: Setup, lr: float, seed: int,
 
     torch.set_num_threads(threads)
     loaders = _loaders(candidate, setup)
-    # Every evaluation reads the whole validation split (each source's, for a mixture).
+    # Every evaluation reads the whole validation split (each source's, for a mixture),
+    # unless the setup caps it.
     vals = getattr(loaders[1], "sources", None) or {"": loaders[1]}
     config = model_config(candidate, setup.vocab_size)
-    train = train_config(candidate, setup, lr, seed, eval_batches=max(1, min(
-        (v.num_tokens - 1) // v.tokens_per_batch for v in vals.values())))
+    whole = max(1, min((v.num_tokens - 1) // v.tokens_per_batch for v in vals.values()))
+    train = train_config(candidate, setup, lr, seed,
+                         eval_batches=min(whole, setup.eval_batches or whole))
     model, optimizer = build(candidate, setup, train, seed)
 
     class Curve(Callback):
@@ -389,7 +393,7 @@ def lrs_for(candidate: Candidate, default_lr: float, quick: bool) -> list[float]
 def run_key(candidate: Candidate, setup: Setup, lr: float, seed: int) -> str:
     # Fields added later are left out at their defaults, so earlier cached runs still match.
     shared = {k: v for k, v in asdict(setup).items() if k not in ("data", "code")
-              and (k not in ("downstream", "downstream_limit") or v)}
+              and (k not in ("downstream", "downstream_limit", "eval_batches") or v)}
     if candidate.mixture is not None:
         shared["code_corpus"] = setup.code_corpus
         shared["mixed_by"] = "row"  # batch-level mixing's cached runs do not match
@@ -614,7 +618,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="the CI smoke run: a few steps, one LR, one seed")
+                        help="the CI smoke run: a few steps, one LR, one seed, 4 "
+                        "validation batches")
     parser.add_argument("--data", type=Path, default=None,
                         help="a folder (or file) of text to prepare (default: built-in corpus)")
     parser.add_argument("--bpe", type=int, default=2048, help="BPE vocabulary to train")
@@ -673,7 +678,8 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
                   eval_every=max(1, args.steps // (2 if args.quick else 6)),  # quick: 2 evals
                   vocab_size=vocab, code=code,
                   code_corpus=code_corpus, downstream=args.downstream,
-                  downstream_limit=2 if args.quick else args.downstream_limit)
+                  downstream_limit=2 if args.quick else args.downstream_limit,
+                  eval_batches=4 if args.quick else 0)
     epochs = args.steps * args.batch_size * args.seq_len / splits["train"]["tokens"]
     print(f"each run: {args.steps} steps of {args.batch_size}×{args.seq_len} tokens "
           f"({epochs:.1f} epochs of the training split)", flush=True)
@@ -684,7 +690,7 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
     table = summarize(done)
     start = time.perf_counter()
     measured = throughput(candidates, setup, table, threads=args.threads,
-                          steps=2 if args.quick else 5, rounds=1 if args.quick else 5)
+                          steps=1 if args.quick else 5, rounds=1 if args.quick else 5)
     for name, value in measured.items():
         table[name]["tokens_per_s"] = value
     print(f"throughput measured side by side in {time.perf_counter() - start:.0f} s")

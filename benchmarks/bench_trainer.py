@@ -76,9 +76,10 @@ def main() -> None:
     warmup = 3
     total = warmup + (args.steps or (5 if args.quick else 60))
     batch, length = QUICK_SHAPE if args.quick else (16, 128)
+    # The closing evaluation is never timed: one batch is enough of it.
     config = TrainConfig(max_steps=total, batch_size=batch, seq_len=length,
                          log_interval=10 * total, eval_interval=10 * total,
-                         checkpoint_interval=10 * total)
+                         checkpoint_interval=10 * total, eval_batches=1)
     data = Path(tempfile.mkdtemp()) / "builtin"
     prepare_dataset([], data)
 
@@ -209,6 +210,7 @@ def _stall_run(name: str, data: Path, mode: str, interval: int, checkpoints: int
     config = TrainConfig(max_steps=steps, batch_size=batch, seq_len=length,
                          log_interval=10 * steps, eval_interval=10 * steps,
                          checkpoint_interval=interval, async_checkpoint=mode == "async",
+                         eval_batches=1,  # the closing evaluation is no stall; keep it short
                          precision="bf16" if device.type == "cuda" else "fp32")
     torch.manual_seed(0)
     model = K3Model(preset(name)).to(device)
