@@ -464,9 +464,13 @@ def _import_compiler_before_the_group() -> None:
     outlived the run into interpreter exit, where rank 0 sometimes aborted under load
     ("terminate called without an active exception"). Imported first, it holds no group,
     and a bare DDP session's :func:`shutdown` ends every gloo thread while the interpreter
-    is whole (tests/test_distributed_teardown.py). A full ``k3-train`` DDP run still keeps
-    its group past :func:`shutdown` through another holder, not yet found (#61 item 5).
-    Only a module import (the one the constructor makes anyway); no private API is called.
+    is whole (tests/test_distributed_teardown.py). After a whole ``k3-train`` DDP session
+    the group also lives on in the session's own reference cycles (trainer, model, DDP
+    wrapper, callbacks) until a garbage-collection pass, which the interpreter's exit may
+    run after gloo's threads meet it; under FSDP2 the device mesh outlives the session in
+    DTensor's sharding results, which torch keeps in caches no public API clears. Hence
+    :func:`k3_trainer.torchrun.leave_worker`. Only a module import (the one the constructor
+    makes anyway); no private API is called.
     """
     import torch._dynamo  # noqa: F401
 

@@ -39,12 +39,13 @@ def leave_worker(status: int = 0) -> NoReturn:
     """End a torchrun worker process now, without the interpreter's teardown, once its
     session is over (the process group destroyed, every file it wrote closed).
 
-    A gloo group can outlive ``destroy_process_group`` while something in C++ still holds
-    it; its threads then meet the interpreter's exit: std::terminate ("terminate called
-    without an active exception", SIGABRT) after a complete run, seen about once in ten
-    launches under load. ``os._exit`` skips that teardown (and ``atexit`` handlers), so
-    call it only when nothing is left for them: ``k3-train``'s workers and the test
-    workers end here."""
+    A gloo group can outlive ``destroy_process_group`` while something still holds it (a
+    DDP session's reference cycles, until a garbage-collection pass; under FSDP2, DTensor's
+    sharding results, which torch keeps in caches no public API clears); its threads then
+    meet the interpreter's exit: std::terminate ("terminate called without an active
+    exception", SIGABRT) after a complete run, seen about once in ten launches under load.
+    ``os._exit`` skips that teardown (and ``atexit`` handlers), so call it only when
+    nothing is left for them: ``k3-train``'s workers and the test workers end here."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
