@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from harness import k3_train, toml_text
-from test_distributed_training import _run, needs_torchrun, one_launch_at_a_time
+from test_distributed_training import _run, needs_torchrun, second_launch_lane
 
-pytestmark = one_launch_at_a_time
+pytestmark = second_launch_lane
 
 STEPS, LIMIT = 4, 6
 

@@ -30,10 +30,15 @@ needs_torchrun = pytest.mark.skipif(
     not (TORCHRUN.exists() and torch.distributed.is_available()),
     reason="torchrun / torch.distributed unavailable")
 # Every module that launches torchrun runs on one pytest-xdist worker, one test at a time:
-# each launch already keeps two processes busy, and two launches at once only fight over
-# the cores (and ports). Each module's expensive module-scoped set-up (continuous runs,
-# one-process references) is then computed once too.
+# each launch already keeps two processes busy, and more launches at once only fight over
+# the cores. Each module's expensive module-scoped set-up (continuous runs, one-process
+# references) is then computed once too.
 one_launch_at_a_time = pytest.mark.xdist_group("torchrun")
+# ...except a second lane of launches, small enough to end with the other worker's
+# ungrouped tests: the torchrun group alone outlasts all of those (it was the suite's
+# critical path, its worker still launching while the other had nothing left), so one
+# module's launches go to that worker instead, one at a time there too.
+second_launch_lane = pytest.mark.xdist_group("torchrun-lane-2")
 
 
 def _run(command: list[object], timeout: float = 120,
