@@ -31,11 +31,11 @@ from harness import (
 )
 from test_distributed_checkpoints import _final_state
 from test_distributed_training import (
-    TORCHRUN,
     _run,
     distributed,
     needs_torchrun,
     one_launch_at_a_time,
+    torchrun,
 )
 
 from k3_trainer import read_events
@@ -81,9 +81,8 @@ def _train(run_dir: Path, data: Path | list[str], config: Path, processes: int, 
         done = k3_train(*args)
     else:
         # One thread per rank: up to 4 ranks share the machine's cores.
-        done = _run([TORCHRUN, "--standalone", "--nproc_per_node", processes,
-                     "-m", "k3_trainer.cli", *args, "--parallel", "fsdp", "--cp", cp],
-                    timeout=300, env={"OMP_NUM_THREADS": "1"})
+        done = _run(torchrun(processes, "-m", "k3_trainer.cli", *args, "--parallel", "fsdp",
+                             "--cp", cp), timeout=300, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
 
 

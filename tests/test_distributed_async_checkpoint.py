@@ -23,11 +23,11 @@ from test_distributed_training import (
     STEPS,
     TAU,
     TESTS,
-    TORCHRUN,
     _run,
     distributed,
     needs_torchrun,
     one_launch_at_a_time,
+    torchrun,
 )
 
 from k3_checkpoint import read_payload
@@ -48,13 +48,14 @@ def config(tmp_path_factory) -> Path:
 
 def _torchrun(program: list[object], parallel: str, data_dir: Path, config: Path,
               run_dir: Path, *extra: object, steps: int = STEPS,
-              env: dict[str, str] | None = None):
+              env: dict[str, str] | None = None, ok: bool = True):
     """``k3-train train`` on 2 ranks (``program``: ``-m k3_trainer.cli`` or a worker
-    script); a run that hangs fails the test after 120 s, every process it started gone."""
-    return _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", *program, "train",
-                 "--parallel", parallel, "--data", data_dir, "--config", config,
-                 "--device", "cpu", "--decay-steps", steps, "--max-steps", steps,
-                 "--run-dir", run_dir, *extra], env=env)
+    script; ``ok``: meant to succeed, see ``torchrun``); a run that hangs fails the test
+    after 120 s, every process it started gone."""
+    return _run(torchrun(2, *program, "train", "--parallel", parallel, "--data", data_dir,
+                         "--config", config, "--device", "cpu", "--decay-steps", steps,
+                         "--max-steps", steps, "--run-dir", run_dir, *extra, forked=ok),
+                env=env)
 
 
 def _history(run_dir: Path) -> list[str]:
@@ -128,7 +129,8 @@ def test_a_background_write_failing_on_one_rank_stops_every_rank_at_one_step(
     run_dir, out = tmp_path / "run", tmp_path / "out"
     failed = _torchrun([TESTS / "async_fault_worker.py"], parallel, data_dir, config, run_dir,
                        "--async-checkpoint", "--checkpoint-interval", 5, steps=15,
-                       env={"K3_TEST_ASYNC_FAULT": fault, "K3_TEST_ASYNC_OUT": str(out)})
+                       env={"K3_TEST_ASYNC_FAULT": fault, "K3_TEST_ASYNC_OUT": str(out)},
+                       ok=False)
     assert failed.returncode != 0
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     faulty = int(fault.split(":")[0])

@@ -35,6 +35,7 @@ from test_distributed_training import (
     distributed,
     needs_torchrun,
     one_launch_at_a_time,
+    torchrun,
 )
 
 from k3_checkpoint import read_payload
@@ -55,7 +56,7 @@ def _command(parallel: str, data_dir: Path, config: Path, run_dir: Path,
 
 
 def _torchrun(*args: object, env: dict[str, str] | None = None, ok: bool = True):
-    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", *args], env=env)
+    result = _run(torchrun(2, *args, forked=ok), env=env)
     if ok:
         assert result.returncode == 0, result.stderr[-4000:]
     return result

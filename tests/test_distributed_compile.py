@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from harness import NARROW_TINY_MODEL, toml_text, train_config
-from test_distributed_training import TORCHRUN, _run, needs_torchrun, one_launch_at_a_time
+from test_distributed_training import _run, needs_torchrun, one_launch_at_a_time, torchrun
 
 from k3_model import K3Model
 from k3_trainer.compiling import compiled_regions, prepare_model
@@ -33,10 +33,10 @@ distributed = pytest.mark.distributed
 def _train_2_ranks(run_dir: Path, data_dir: Path, config: Path, parallel: str,
                    *extra: object) -> list[dict]:
     """``torchrun ... -m k3_trainer.cli train`` on 2 ranks; rank 0's logged events."""
-    done = _run([TORCHRUN, "--standalone", "--nproc_per_node", 2, "-m", "k3_trainer.cli",
-                 "train", "--parallel", parallel, "--data", data_dir, "--config", config,
-                 "--device", "cpu", "--run-dir", run_dir, "--max-steps", STEPS,
-                 "--decay-steps", STEPS, *extra], timeout=RUN_TIMEOUT)
+    done = _run(torchrun(2, "-m", "k3_trainer.cli", "train", "--parallel", parallel, "--data",
+                         data_dir, "--config", config, "--device", "cpu", "--run-dir", run_dir,
+                         "--max-steps", STEPS, "--decay-steps", STEPS, *extra),
+                timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

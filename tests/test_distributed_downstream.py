@@ -7,12 +7,11 @@ pipeline stages through the stages. Deselect with ``-m 'not distributed'``."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from harness import k3_train, toml_text
-from test_distributed_training import _run, needs_torchrun, second_launch_lane
+from test_distributed_training import _run, needs_torchrun, second_launch_lane, torchrun
 
 pytestmark = second_launch_lane
 
@@ -47,9 +46,9 @@ def test_two_ranks_score_the_tasks_as_one_process_does(parallel, tmp_path, data_
         config.write_text(toml_text(train={"batch_size": 2, "checkpoint_interval": 2,
                                            **layout, **downstream}))
         run_dir = tmp_path / name
-        done = _run([sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", run_dir,
-                     "--data", data_dir, "--config", config, "--max-steps", STEPS,
-                     "--parallel", mode, "--nproc", processes], timeout=300)
+        done = _run(torchrun(processes, "-m", "k3_trainer.cli", "train", "--run-dir", run_dir,
+                             "--data", data_dir, "--config", config, "--max-steps", STEPS,
+                             "--parallel", mode), timeout=300)
         assert done.returncode == 0, done.stderr[-4000:]
         return run_dir, [json.loads(line) for line in
                          (run_dir / "metrics.jsonl").read_text().splitlines()]

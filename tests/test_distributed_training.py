@@ -18,10 +18,13 @@ import pytest
 import torch
 from harness import k3_train, kill_tree, proc_stat, rank_errors, subprocess_env
 
+import k3_trainer.cli
 from k3_trainer import TokenDataLoader
 
 TESTS = Path(__file__).resolve().parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+# ``python -m k3_trainer.cli`` as a script path, for torchrun's ``--run-path``.
+CLI_SCRIPT = Path(k3_trainer.cli.__file__).with_name("__main__.py")
 STEPS, BATCH = 10, 4
 TAU = 0.02  # below the small model's max logits: QK-Clip rescales heads every step
 
@@ -58,8 +61,28 @@ def _run(command: list[object], timeout: float = 120,
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
+def torchrun(nproc: int, *args: object, forked: bool = True) -> list[object]:
+    """The command line of a standalone torchrun launch of ``nproc`` ranks running ``args``
+    (a script and its arguments, or ``-m k3_trainer.cli`` and its).
+
+    ``forked``, for a launch meant to succeed: torchrun's own entry point with its own
+    ``--run-path --start-method fork``, in an interpreter that has imported torch and the
+    k3 packages already (forked_torchrun.py), so each rank is a fork of it that starts with
+    those imports done. Same agent, rendezvous and environment; a rank runs the script as
+    a function (``k3-train``'s ``python -m`` entry by its path). Otherwise the ``torchrun``
+    command as a user runs it, one new interpreter per rank: a launch whose failure is
+    under test, since torchrun reports only the first failing rank of function ranks."""
+    if not forked:
+        return [TORCHRUN, "--standalone", "--nproc_per_node", nproc, *args]
+    if args[:1] == ("-m",):
+        assert args[1] == "k3_trainer.cli", args[:2]
+        args = (CLI_SCRIPT, *args[2:])
+    return [sys.executable, "-u", TESTS / "forked_torchrun.py", "--standalone",
+            "--nproc_per_node", nproc, "--run-path", "--start-method", "fork", *args]
+
+
 def _torchrun(*args: object) -> subprocess.CompletedProcess[str]:
-    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", *args])
+    result = _run(torchrun(2, *args))
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -251,9 +274,9 @@ def test_an_impossible_expert_parallel_layout_is_refused_before_anything_is_writ
             ("ddp", 2, "--expert-parallel 2 needs --parallel fsdp"),
             ("fsdp", 3, "ep (3) must divide dp·cp (2)")):
         run_dir = tmp_path / f"{mode}{degree}"
-        launched = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m",
-                         "k3_trainer.cli", *base, "--run-dir", run_dir, "--parallel", mode,
-                         "--expert-parallel", degree])
+        launched = _run(torchrun(2, "-m", "k3_trainer.cli", *base, "--run-dir", run_dir,
+                                 "--parallel", mode, "--expert-parallel", degree,
+                                 forked=False))
         assert launched.returncode != 0
         # Every rank refuses; which of them prints before torchrun terminates the rest
         # is a race, so any rank's line will do, and every line printed must be this one.

@@ -30,9 +30,9 @@ STEPS = 4
 
 
 def _torchrun4(*args: object) -> None:
-    from test_distributed_training import TORCHRUN, _run
+    from test_distributed_training import _run, torchrun
 
-    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", 4, *args], timeout=300)
+    result = _run(torchrun(4, *args), timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

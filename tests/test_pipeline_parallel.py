@@ -21,11 +21,11 @@ import pytest
 import torch
 from harness import assert_one_line_error, k3_train, subprocess_env
 from test_distributed_training import (
-    TORCHRUN,
     _run,
     distributed,
     needs_torchrun,
     one_launch_at_a_time,
+    torchrun,
 )
 
 from k3_trainer import read_events
@@ -47,8 +47,8 @@ def _reference(out: Path, microbatches: int, *args: str, data_ranks: int = 1) ->
 
 
 def _pipelined(out: Path, *args: object, processes: int = 2) -> list[dict]:
-    result = _run([TORCHRUN, "--standalone", "--nproc_per_node", processes, WORKER, "--out",
-                   out, "--steps", STEPS, *args], timeout=300)
+    result = _run(torchrun(processes, WORKER, "--out", out, "--steps", STEPS, *args),
+                  timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 

@@ -16,11 +16,11 @@ import pytest
 from planning_worker import OVERRIDES
 from test_distributed_training import (
     TESTS,
-    TORCHRUN,
     _run,
     distributed,
     needs_torchrun,
     one_launch_at_a_time,
+    torchrun,
 )
 
 from k3_model.presets import preset
@@ -33,8 +33,7 @@ pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
 
 
 def _launch(out, ranks: int) -> list[dict]:
-    done = _run([TORCHRUN, "--standalone", "--nproc_per_node", str(ranks),
-                 TESTS / "planning_worker.py", out], timeout=240)
+    done = _run(torchrun(ranks, TESTS / "planning_worker.py", out), timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 

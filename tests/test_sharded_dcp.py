@@ -13,11 +13,11 @@ import json
 
 from test_distributed_training import (
     TESTS,
-    TORCHRUN,
     _run,
     distributed,
     needs_torchrun,
     one_launch_at_a_time,
+    torchrun,
 )
 
 pytestmark = [distributed, needs_torchrun, one_launch_at_a_time]
@@ -27,8 +27,7 @@ def test_every_component_goes_through_dcp_on_two_ranks(tmp_path):
     out, root = tmp_path / "out", tmp_path / "checkpoints"
     out.mkdir()
     root.mkdir()
-    done = _run([TORCHRUN, "--standalone", "--nproc_per_node", "2",
-                 TESTS / "sharded_worker.py", out, root], timeout=180)
+    done = _run(torchrun(2, TESTS / "sharded_worker.py", out, root), timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     main, other = ranks

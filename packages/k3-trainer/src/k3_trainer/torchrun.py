@@ -7,6 +7,7 @@ without importing torch).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 from typing import NoReturn
@@ -45,7 +46,15 @@ def leave_worker(status: int = 0) -> NoReturn:
     meet the interpreter's exit: std::terminate ("terminate called without an active
     exception", SIGABRT) after a complete run, seen about once in ten launches under load.
     ``os._exit`` skips that teardown (and ``atexit`` handlers), so call it only when
-    nothing is left for them: ``k3-train``'s workers and the test workers end here."""
+    nothing is left for them: ``k3-train``'s workers and the test workers end here.
+
+    A rank that torchrun runs as a function in a process of its own (``--run-path``) is a
+    ``multiprocessing`` child: the launcher waits for that function to return, so
+    ``os._exit`` there would leave it waiting forever. Such a rank raises ``SystemExit``
+    instead; torchrun reads the status, and a forked child (``--start-method fork``) then
+    leaves by ``os._exit`` itself, skipping the teardown all the same."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if multiprocessing.parent_process() is not None:
+        raise SystemExit(status)
     os._exit(status)
