@@ -1,11 +1,13 @@
 """Shared pieces of the reliability tests: a small model, the CLI in a new process, bitwise
-comparison of checkpoints, a checkpoint forger, fingerprints and fault injectors.
+comparison of checkpoints, a checkpoint forger, fingerprints and fault injectors, and the
+warm torchrun the successful launches go through.
 
 Everything here is test code; nothing in it is imported by the packages.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -113,6 +115,37 @@ def kill_tree(pid: int) -> None:
     for member in tree:
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(member, signal.SIGKILL)
+
+
+_launcher: subprocess.Popen[bytes] | None = None
+
+
+def launch_server() -> str:
+    """The name of this pytest process's warm torchrun (launch_server.py), started on
+    first use (its imports take a few seconds, once) and ended when this process ends.
+    Here, not in a test module: pytest's importlib mode imports a test module once as a
+    test and again for each module importing from it, each copy with its own globals."""
+    global _launcher
+    name = f"k3-launch-{os.getpid()}"
+    if _launcher is not None and _launcher.poll() is None:
+        return name
+    _launcher = subprocess.Popen([sys.executable, "-u", TESTS / "launch_server.py", name],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 env=subprocess_env(), start_new_session=True)
+    assert _launcher.stdout is not None
+    if _launcher.stdout.readline() != b"ready\n":
+        raise RuntimeError(f"the launch server did not start (exit {_launcher.wait()})")
+    atexit.register(_stop_launcher, _launcher)
+    return name
+
+
+def _stop_launcher(server: subprocess.Popen[bytes]) -> None:
+    assert server.stdin is not None
+    server.stdin.close()  # its cue to end, taking any launch still running with it
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill_tree(server.pid)
 
 
 def proc_stat(pid: int) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import k3_train, kill_tree, proc_stat, rank_errors, subprocess_env
+from harness import k3_train, kill_tree, launch_server, proc_stat, rank_errors, subprocess_env
 
 import k3_trainer.cli
 from k3_trainer import TokenDataLoader
@@ -66,19 +66,21 @@ def torchrun(nproc: int, *args: object, forked: bool = True) -> list[object]:
     (a script and its arguments, or ``-m k3_trainer.cli`` and its).
 
     ``forked``, for a launch meant to succeed: torchrun's own entry point with its own
-    ``--run-path --start-method fork``, in an interpreter that has imported torch and the
-    k3 packages already (forked_torchrun.py), so each rank is a fork of it that starts with
-    those imports done. Same agent, rendezvous and environment; a rank runs the script as
-    a function (``k3-train``'s ``python -m`` entry by its path). Otherwise the ``torchrun``
-    command as a user runs it, one new interpreter per rank: a launch whose failure is
-    under test, since torchrun reports only the first failing rank of function ranks."""
+    ``--run-path --start-method fork``, run in a fork of a warm server that has imported
+    torch and the k3 packages already (launch_server.py, started on first use), so the
+    agent and each rank start with those imports done. Same agent, rendezvous and
+    environment; a rank runs the script as a function (``k3-train``'s ``python -m`` entry
+    by its path). Otherwise the ``torchrun`` command as a user runs it, one new interpreter
+    per rank: a launch whose failure is under test, since torchrun reports only the first
+    failing rank of function ranks."""
     if not forked:
         return [TORCHRUN, "--standalone", "--nproc_per_node", nproc, *args]
     if args[:1] == ("-m",):
         assert args[1] == "k3_trainer.cli", args[:2]
         args = (CLI_SCRIPT, *args[2:])
-    return [sys.executable, "-u", TESTS / "forked_torchrun.py", "--standalone",
-            "--nproc_per_node", nproc, "--run-path", "--start-method", "fork", *args]
+    return [sys.executable, "-S", TESTS / "launch_client.py", launch_server(),
+            "--standalone", "--nproc_per_node", nproc, "--run-path", "--start-method", "fork",
+            *args]
 
 
 def _torchrun(*args: object) -> subprocess.CompletedProcess[str]:

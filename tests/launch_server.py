@@ -1,0 +1,152 @@
+"""A warm torchrun for the tests: each launch meant to succeed is a fork of this process.
+
+``python launch_server.py NAME`` imports torch and the k3 packages once, then serves on
+the abstract Unix socket ``NAME``. A client (launch_client.py) sends its standard streams,
+working directory, environment and torchrun's arguments; the server forks, the fork
+becomes that client's process (its streams, directory and environment, a session of its
+own) and runs torchrun's own entry point there with those arguments, which the tests give
+as ``--run-path --start-method fork``: torchrun's agent, rendezvous and ranks, each rank a
+fork of a process that has the imports done. The fork's exit status goes back to the
+client, which exits with it. A client that goes away (its test timed out and killed it)
+takes its launch's whole process tree with it; so does the server's end, when the pytest
+worker that started it closes its standard input or dies.
+
+Why: on two cores a test's small launch otherwise spends most of its CPU time importing
+torch and the k3 packages in torchrun's agent and again in every rank (a few
+CPU-seconds each), and a second or so of the agent tearing its interpreter down at the
+end. The tests' launches run one at a time, so that time was most of the suite's wall.
+
+Launches whose failure is under test use the ``torchrun`` command unchanged
+(``test_distributed_training.torchrun``). Nothing in the packages imports this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import struct
+import sys
+import traceback
+
+import numpy  # noqa: F401
+import torch.distributed.checkpoint
+import torch.distributed.fsdp
+import torch.distributed.run
+import torch.distributed.tensor
+import torch.nn.parallel
+from harness import kill_tree
+
+import k3_checkpoint  # noqa: F401
+import k3_model  # noqa: F401
+import k3_optim  # noqa: F401
+import k3_trainer.cli
+import k3_trainer.distributed
+import k3_trainer.session  # noqa: F401
+
+HEADER = struct.Struct("!Q")  # the request's length, sent with the client's 3 streams
+STATUS = struct.Struct("!i")
+# Read when libgomp loads, with torch, so a fork cannot change it: a launch that asks for
+# another count is refused rather than run with this one.
+THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
+def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(connection, HEADER.size, 3)
+    if len(fds) != 3:
+        raise ConnectionError(f"a request brings 3 streams, this one {len(fds)}")
+    while len(data) < HEADER.size:
+        data += connection.recv(HEADER.size - len(data))
+    (length,) = HEADER.unpack(data)
+    body = b""
+    while len(body) < length:
+        chunk = connection.recv(length - len(body))
+        if not chunk:
+            raise ConnectionError("the client went away mid-request")
+        body += chunk
+    return json.loads(body), fds
+
+
+def _launch(request: dict, fds: list[int], inherited: list[int]) -> None:
+    """In the fork: become the client's process and run torchrun; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        for fd in inherited:  # the listener, the clients and the other launches' pidfds
+            os.close(fd)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if os.environ.get("OMP_NUM_THREADS") != THREADS:
+            print(f"launch_server: this launch asks for OMP_NUM_THREADS="
+                  f"{os.environ.get('OMP_NUM_THREADS')}, the server imported torch with "
+                  f"{THREADS}; launch it with the torchrun command", file=sys.stderr)
+            code = 2
+            return
+        sys.argv = ["torchrun", *request["args"]]
+        torch.distributed.run.main(request["args"])
+        code = 0
+    except SystemExit as stop:  # as the interpreter would end: a message is printed
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # the agent's interpreter teardown is the second it would cost
+
+
+def serve(name: str) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(8)
+    print("ready", flush=True)
+    launches: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, client)
+    clients: dict[int, int] = {}  # client's fd -> pidfd
+    try:
+        while True:
+            ready, _, _ = select.select([listener, sys.stdin, *launches, *clients], [], [])
+            if sys.stdin in ready and not sys.stdin.buffer.read1(1):
+                return  # the pytest worker is gone or done
+            if listener in ready:
+                connection, _ = listener.accept()
+                request, fds = _receive(connection)
+                sys.stdout.flush()
+                pid = os.fork()
+                if pid == 0:
+                    inherited = [listener.fileno(), connection.fileno(), *launches, *clients]
+                    _launch(request, fds, inherited)
+                for fd in fds:
+                    os.close(fd)
+                pidfd = os.pidfd_open(pid)
+                launches[pidfd] = (pid, connection)
+                clients[connection.fileno()] = pidfd
+            for fd in ready:
+                if fd in launches:  # a launch ended: its status to its client
+                    pid, connection = launches.pop(fd)
+                    del clients[connection.fileno()]
+                    _, status = os.waitpid(pid, 0)
+                    with connection:
+                        connection.sendall(STATUS.pack(os.waitstatus_to_exitcode(status)))
+                    os.close(fd)
+                elif fd in clients and fd not in launches:  # a client went away
+                    pidfd = clients.pop(fd)
+                    pid, connection = launches.pop(pidfd)
+                    kill_tree(pid)
+                    os.waitpid(pid, 0)
+                    connection.close()
+                    os.close(pidfd)
+    finally:
+        for pid, _ in launches.values():
+            kill_tree(pid)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
