@@ -261,8 +261,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for world in DEGREES:
             outs = [f"{tmp}/cp{world}.rank{r}.json" for r in range(world)]
-            mp.spawn(_spawned, args=(world, f"{tmp}/init{world}", settings, outs),
-                     nprocs=world)
+            # Forked, not spawned: each rank starts with torch and k3 imported (the parent
+            # has run no torch computation yet, so no OpenMP pool is copied half-alive).
+            mp.start_processes(_spawned, args=(world, f"{tmp}/init{world}", settings, outs),
+                               nprocs=world, start_method="fork")
             runs[world] = [json.loads(Path(o).read_text()) for o in outs]
     passes = _kda_passes(settings, repeats=2 if args.quick else 5)
     _report(settings, runs, passes, args.json)

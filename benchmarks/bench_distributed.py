@@ -167,10 +167,13 @@ def main() -> None:
         prepare_dataset([], data)
         for index in range(rounds):
             out = Path(tmp) / f"round{index}"
-            mp.spawn(_single_worker, args=(str(data), settings, f"{out}.single.json"),
-                     nprocs=1)
-            mp.spawn(_ranked_worker, args=(2, _free_port(), str(data), settings,
-                                           f"{out}.ranked.json"), nprocs=2)
+            # Forked, not spawned: the workers start with torch and k3 imported (this
+            # process runs no torch computation, so no OpenMP pool is copied half-alive).
+            mp.start_processes(_single_worker, nprocs=1, start_method="fork",
+                               args=(str(data), settings, f"{out}.single.json"))
+            mp.start_processes(_ranked_worker, nprocs=2, start_method="fork",
+                               args=(2, _free_port(), str(data), settings,
+                                     f"{out}.ranked.json"))
             ranked = json.loads(Path(f"{out}.ranked.json").read_text())
             single = json.loads(Path(f"{out}.single.json").read_text())
             for name, seconds in {**single, **ranked["seconds"]}.items():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,15 +114,14 @@ def config(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def continuous(tmp_path_factory, data_dir, config):
-    """``{mode: run_dir}`` of uninterrupted 2-rank runs (``k3-train --nproc`` launches
-    torchrun itself)."""
+    """``{mode: run_dir}`` of uninterrupted 2-rank runs (forked launches: ``k3-train
+    --nproc``, which runs the same torchrun command in new interpreters, is tested in
+    test_interrupt_cli.py)."""
     runs = {}
     for parallel in ("ddp", "fsdp", "fsdp+ep"):
         run_dir = tmp_path_factory.mktemp(parallel) / "continuous"
-        done = _run([sys.executable, "-m", "k3_trainer.cli",
-                     *_command(parallel, data_dir, config, run_dir, "--max-steps", STEPS),
-                     "--nproc", 2])
-        assert done.returncode == 0, done.stderr[-4000:]
+        _torchrun("-m", "k3_trainer.cli",
+                  *_command(parallel, data_dir, config, run_dir, "--max-steps", STEPS))
         runs[parallel] = run_dir
     return runs
 
@@ -348,7 +346,7 @@ def test_a_failed_checkpoint_write_stops_every_rank(parallel, config, tmp_path, 
 def test_a_two_node_torchrun_launch_trains_the_same_run(continuous, config, tmp_path, data_dir):
     """The multi-node launch the README shows, with both "nodes" on this machine: two
     torchrun agents (``--nnodes 2 --node-rank 0|1 --rdzv-endpoint``), one process each,
-    train the expert-parallel run that ``--nproc 2`` trains on one node, bitwise."""
+    train the expert-parallel run that 2 processes on one node train, bitwise."""
     import socket
     import subprocess
 

@@ -16,7 +16,13 @@ import pytest
 import torch
 from harness import assert_bitwise_equal, k3_train, latest_checkpoint, subprocess_env
 from test_distributed_checkpoints import _final_state
-from test_distributed_training import distributed, needs_torchrun, one_launch_at_a_time
+from test_distributed_training import (
+    _run,
+    distributed,
+    needs_torchrun,
+    one_launch_at_a_time,
+    torchrun,
+)
 
 from k3_checkpoint import read_payload
 from k3_trainer import read_events
@@ -32,6 +38,12 @@ def _flags(data_dir: Path, config: Path) -> list[str]:
     return ["--data", str(data_dir), "--config", str(config), "--max-steps", str(STEPS),
             "--warmup-steps", "2", "--decay-steps", str(STEPS), "--log-interval", "1",
             "--eval-interval", "1000", "--checkpoint-interval", "1000"]
+
+
+def _train_2_ranks(*args: object) -> None:
+    """``k3-train train ARGS`` on 2 ranks, a forked torchrun launch that must succeed."""
+    done = _run(torchrun(2, "-m", "k3_trainer.cli", "train", *args), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def _trained_steps(run: Path) -> int:
@@ -106,11 +118,12 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
                                                                 layout):
     """SIGTERM reaches one rank only (as when one node is preempted first): both ranks (or
     both pipeline stages, rank 1 holding the last) agree on the step, the run is saved
-    there (sharded under stages), and the resume ends as the uninterrupted run does."""
+    there (sharded under stages), and the resume ends as the uninterrupted run does. The
+    uninterrupted run and the resume are forked launches (the ``--nproc`` launcher is the
+    next test's)."""
     flags = [*_flags(data_dir, small_toml), *layout, "--batch-size", "2"]
     reference = tmp_path / "reference"
-    done = k3_train("train", "--run-dir", reference, *flags, "--nproc", 2)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _train_2_ranks("--run-dir", reference, *flags)
 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -130,8 +143,7 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
     assert f"interrupted at step {step}; checkpoint saved" in err, err[-3000:]
     ends = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "session_end"]
     assert ends[-1]["step"] == step and ends[-1]["interrupted"] == "SIGTERM"
-    resumed = k3_train("train", "--run-dir", run, "--resume", *flags, "--nproc", 2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _train_2_ranks("--run-dir", run, "--resume", *flags)
     assert_bitwise_equal(_final_state(reference, tmp_path),
                          _final_state(run, tmp_path))
 

@@ -123,12 +123,12 @@ def test_an_impossible_pipeline_layout_is_refused_in_one_line(flags, message, tm
 
 
 def _train_v(run_dir: Path, data: Path, schedule: str, *flags: object) -> list[dict]:
-    """``k3-train train --nproc 2 --pp 2`` under a V-shaped schedule; its events."""
-    done = _run([sys.executable, "-m", "k3_trainer.cli", "train", "--run-dir", run_dir,
-                 "--data", data, "--nproc", 2, "--parallel", "fsdp", "--pp", 2,
-                 "--pp-schedule", schedule, "--pp-stages-per-rank", 2, "--pp-microbatches", 4,
-                 "--batch-size", 4, "--seq-len", 64, "--max-steps", STEPS, "--eval-batches", 2,
-                 *flags], timeout=300)
+    """``k3-train train --pp 2`` on 2 ranks under a V-shaped schedule; its events."""
+    done = _run(torchrun(2, "-m", "k3_trainer.cli", "train", "--run-dir", run_dir, "--data",
+                         data, "--parallel", "fsdp", "--pp", 2, "--pp-schedule", schedule,
+                         "--pp-stages-per-rank", 2, "--pp-microbatches", 4, "--batch-size", 4,
+                         "--seq-len", 64, "--max-steps", STEPS, "--eval-batches", 2, *flags),
+                timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return read_events(run_dir / "metrics.jsonl")
 
