@@ -16,6 +16,8 @@ import socket
 import struct
 import sys
 
+# The wire format, which launch_server.py imports from here: the request's length (sent
+# with the client's 3 streams), then the request; the launch's exit status back.
 HEADER = struct.Struct("!Q")
 STATUS = struct.Struct("!i")
 

@@ -26,7 +26,6 @@ import json
 import os
 import select
 import socket
-import struct
 import sys
 import traceback
 
@@ -37,6 +36,7 @@ import torch.distributed.run
 import torch.distributed.tensor
 import torch.nn.parallel
 from harness import kill_tree
+from launch_client import HEADER, STATUS  # the wire format, defined once
 
 import k3_checkpoint  # noqa: F401
 import k3_model  # noqa: F401
@@ -45,8 +45,6 @@ import k3_trainer.cli
 import k3_trainer.distributed
 import k3_trainer.session  # noqa: F401
 
-HEADER = struct.Struct("!Q")  # the request's length, sent with the client's 3 streams
-STATUS = struct.Struct("!i")
 # Read when libgomp loads, with torch, so a fork cannot change it: a launch that asks for
 # another count is refused rather than run with this one.
 THREADS = os.environ.get("OMP_NUM_THREADS")

@@ -17,11 +17,10 @@ import torch
 from harness import assert_bitwise_equal, k3_train, latest_checkpoint, subprocess_env
 from test_distributed_checkpoints import _final_state
 from test_distributed_training import (
-    _run,
+    _torchrun,
     distributed,
     needs_torchrun,
     one_launch_at_a_time,
-    torchrun,
 )
 
 from k3_checkpoint import read_payload
@@ -38,12 +37,6 @@ def _flags(data_dir: Path, config: Path) -> list[str]:
     return ["--data", str(data_dir), "--config", str(config), "--max-steps", str(STEPS),
             "--warmup-steps", "2", "--decay-steps", str(STEPS), "--log-interval", "1",
             "--eval-interval", "1000", "--checkpoint-interval", "1000"]
-
-
-def _train_2_ranks(*args: object) -> None:
-    """``k3-train train ARGS`` on 2 ranks, a forked torchrun launch that must succeed."""
-    done = _run(torchrun(2, "-m", "k3_trainer.cli", "train", *args), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def _trained_steps(run: Path) -> int:
@@ -123,7 +116,7 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
     next test's)."""
     flags = [*_flags(data_dir, small_toml), *layout, "--batch-size", "2"]
     reference = tmp_path / "reference"
-    _train_2_ranks("--run-dir", reference, *flags)
+    _torchrun("-m", "k3_trainer.cli", "train", "--run-dir", reference, *flags)
 
     run = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -143,7 +136,7 @@ def test_every_rank_stops_at_the_same_step_and_resumes_bitwise(tmp_path, data_di
     assert f"interrupted at step {step}; checkpoint saved" in err, err[-3000:]
     ends = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "session_end"]
     assert ends[-1]["step"] == step and ends[-1]["interrupted"] == "SIGTERM"
-    _train_2_ranks("--run-dir", run, "--resume", *flags)
+    _torchrun("-m", "k3_trainer.cli", "train", "--run-dir", run, "--resume", *flags)
     assert_bitwise_equal(_final_state(reference, tmp_path),
                          _final_state(run, tmp_path))
 
