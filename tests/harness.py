@@ -72,12 +72,21 @@ def _toml_value(value: Any) -> str:
 
 def k3_train(*args: Any, env: Mapping[str, str] | None = None, driver: bool = False,
              timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """``python -m k3_trainer.cli ARGS`` in a fresh interpreter (``driver``: through
-    ``cli_driver.py``, which adds test-only fault injection around the same ``main``)."""
-    command = [sys.executable, str(DRIVER)] if driver else [sys.executable, "-m",
-                                                           "k3_trainer.cli"]
+    """``python -m k3_trainer.cli ARGS``: a fork of the warm launch server
+    (launch_server.py), which has imported torch and the k3 packages, with this call's
+    streams, environment and exit status. A fresh interpreter where a fork cannot stand in
+    for one: ``driver`` (``cli_driver.py``'s test-only fault injection around the same
+    ``main``) or another ``OMP_NUM_THREADS`` than the server's (torch read it on import)."""
+    environment = subprocess_env(env)
+    if driver:
+        command = [sys.executable, str(DRIVER)]
+    elif environment["OMP_NUM_THREADS"] != subprocess_env()["OMP_NUM_THREADS"]:
+        command = [sys.executable, "-m", "k3_trainer.cli"]
+    else:
+        command = [sys.executable, "-S", str(TESTS / "launch_client.py"), launch_server(),
+                   "k3-train"]
     return subprocess.run([*command, *map(str, args)], capture_output=True, text=True,
-                          env=subprocess_env(env), timeout=timeout)
+                          env=environment, timeout=timeout)
 
 
 def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -121,7 +130,7 @@ _launcher: subprocess.Popen[bytes] | None = None
 
 
 def launch_server() -> str:
-    """The name of this pytest process's warm torchrun (launch_server.py), started on
+    """The name of this pytest process's launch server (launch_server.py), started on
     first use (its imports take a few seconds, once) and ended when this process ends.
     Here, not in a test module: pytest's importlib mode imports a test module once as a
     test and again for each module importing from it, each copy with its own globals."""

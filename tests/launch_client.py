@@ -1,9 +1,10 @@
-"""``python -S launch_client.py NAME [torchrun's arguments]``: one torchrun launch, run by
-the warm server on the abstract Unix socket ``NAME`` (launch_server.py) with this
-process's standard streams, working directory and environment; exits as that launch
-did. Standard library only, no site: it starts in milliseconds.
+"""``python -S launch_client.py NAME PROGRAM [its arguments]``: one run of ``PROGRAM``
+(``torchrun`` or ``k3-train``) by the warm server on the abstract Unix socket ``NAME``
+(launch_server.py), with this process's standard streams, working directory and
+environment; exits as that run did. Standard library only, no site: it starts in
+milliseconds.
 
-Killing this process (a test's timeout) ends the launch's whole process tree: the server
+Killing this process (a test's timeout) ends the run's whole process tree: the server
 sees the connection close.
 """
 
@@ -22,8 +23,9 @@ HEADER = struct.Struct("!Q")
 STATUS = struct.Struct("!i")
 
 
-def main(name: str, args: list[str]) -> int:
-    request = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+def main(name: str, program: str, args: list[str]) -> int:
+    request = json.dumps({"program": program, "args": args, "cwd": os.getcwd(),
+                          "env": dict(os.environ)}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
         server.connect("\0" + name)
         socket.send_fds(server, [HEADER.pack(len(request))], [0, 1, 2])
@@ -43,4 +45,4 @@ def main(name: str, args: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))

@@ -1,23 +1,32 @@
-"""A warm torchrun for the tests: each launch meant to succeed is a fork of this process.
+"""A warm start for the tests' processes: each torchrun launch meant to succeed, and each
+``k3-train`` run, is a fork of this process.
 
 ``python launch_server.py NAME`` imports torch and the k3 packages once, then serves on
 the abstract Unix socket ``NAME``. A client (launch_client.py) sends its standard streams,
-working directory, environment and torchrun's arguments; the server forks, the fork
-becomes that client's process (its streams, directory and environment, a session of its
-own) and runs torchrun's own entry point there with those arguments, which the tests give
-as ``--run-path --start-method fork``: torchrun's agent, rendezvous and ranks, each rank a
-fork of a process that has the imports done. The fork's exit status goes back to the
-client, which exits with it. A client that goes away (its test timed out and killed it)
-takes its launch's whole process tree with it; so does the server's end, when the pytest
-worker that started it closes its standard input or dies.
+working directory, environment, a program (``torchrun`` or ``k3-train``) and its
+arguments; the server forks, the fork becomes that client's process (its streams,
+directory and environment, a session of its own) and runs the program's own entry point
+there with those arguments:
 
-Why: on two cores a test's small launch otherwise spends most of its CPU time importing
-torch and the k3 packages in torchrun's agent and again in every rank (a few
-CPU-seconds each), and a second or so of the agent tearing its interpreter down at the
-end. The tests' launches run one at a time, so that time was most of the suite's wall.
+- ``torchrun``: torchrun's ``main``, which the tests give ``--run-path --start-method
+  fork``: torchrun's agent, rendezvous and ranks, each rank a fork of a process that has
+  the imports done;
+- ``k3-train``: ``k3_trainer.cli.main``, as ``python -m k3_trainer.cli`` runs it.
+
+The fork's exit status goes back to the client, which exits with it. A client that goes
+away (its test timed out and killed it) takes its run's whole process tree with it; so
+does the server's end, when the pytest worker that started it closes its standard input
+or dies.
+
+Why: on two cores a test's small run otherwise spends most of its CPU time importing
+torch and the k3 packages: in torchrun's agent and again in every rank, or in the one
+``k3-train`` process (a few CPU-seconds each), then a second or so tearing the
+interpreter down at the end.
 
 Launches whose failure is under test use the ``torchrun`` command unchanged
-(``test_distributed_training.torchrun``). Nothing in the packages imports this file.
+(``test_distributed_training.torchrun``), and ``k3-train`` runs with fault injection or
+another thread count a new interpreter (``harness.k3_train``). Nothing in the packages
+imports this file.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ import os
 import select
 import socket
 import sys
+import threading
 import traceback
+from pathlib import Path
 
 import numpy  # noqa: F401
 import torch.distributed.checkpoint
@@ -43,11 +54,32 @@ import k3_model  # noqa: F401
 import k3_optim  # noqa: F401
 import k3_trainer.cli
 import k3_trainer.distributed
-import k3_trainer.session  # noqa: F401
+import k3_trainer.session
 
-# Read when libgomp loads, with torch, so a fork cannot change it: a launch that asks for
+# Read when libgomp loads, with torch, so a fork cannot change it: a run that asks for
 # another count is refused rather than run with this one.
 THREADS = os.environ.get("OMP_NUM_THREADS")
+# What ``python -m k3_trainer.cli`` puts in ``sys.argv[0]``.
+CLI_MAIN = str(Path(k3_trainer.cli.__file__).with_name("__main__.py"))
+
+
+def _torchrun(args: list[str]) -> None:
+    sys.argv = ["torchrun", *args]
+    torch.distributed.run.main(args)
+
+
+def _k3_train(args: list[str]) -> None:
+    sys.argv = [CLI_MAIN, *args]
+    try:
+        code = k3_trainer.cli.main()
+    finally:  # what the interpreter's exit waits for, before os._exit skips it
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+    raise SystemExit(code)
+
+
+PROGRAMS = {"torchrun": _torchrun, "k3-train": _k3_train}
 
 
 def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
@@ -67,7 +99,7 @@ def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _launch(request: dict, fds: list[int], inherited: list[int]) -> None:
-    """In the fork: become the client's process and run torchrun; never returns."""
+    """In the fork: become the client's process and run its program; never returns."""
     code = 1
     try:
         os.setsid()
@@ -80,13 +112,12 @@ def _launch(request: dict, fds: list[int], inherited: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         if os.environ.get("OMP_NUM_THREADS") != THREADS:
-            print(f"launch_server: this launch asks for OMP_NUM_THREADS="
+            print(f"launch_server: this run asks for OMP_NUM_THREADS="
                   f"{os.environ.get('OMP_NUM_THREADS')}, the server imported torch with "
-                  f"{THREADS}; launch it with the torchrun command", file=sys.stderr)
+                  f"{THREADS}; start it in a new interpreter", file=sys.stderr)
             code = 2
             return
-        sys.argv = ["torchrun", *request["args"]]
-        torch.distributed.run.main(request["args"])
+        PROGRAMS[request["program"]](request["args"])
         code = 0
     except SystemExit as stop:  # as the interpreter would end: a message is printed
         if stop.code is None or isinstance(stop.code, int):
@@ -98,7 +129,7 @@ def _launch(request: dict, fds: list[int], inherited: list[int]) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # the agent's interpreter teardown is the second it would cost
+        os._exit(code)  # the interpreter's teardown is the second it would cost
 
 
 def serve(name: str) -> None:

@@ -78,7 +78,7 @@ def torchrun(nproc: int, *args: object, forked: bool = True) -> list[object]:
     if args[:1] == ("-m",):
         assert args[1] == "k3_trainer.cli", args[:2]
         args = (CLI_SCRIPT, *args[2:])
-    return [sys.executable, "-S", TESTS / "launch_client.py", launch_server(),
+    return [sys.executable, "-S", TESTS / "launch_client.py", launch_server(), "torchrun",
             "--standalone", "--nproc_per_node", nproc, "--run-path", "--start-method", "fork",
             *args]
 

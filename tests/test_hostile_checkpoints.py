@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -291,6 +289,5 @@ def test_the_real_command_refuses_a_corrupt_checkpoint_without_traceback(base, t
     resumed = k3_train("train", "--run-dir", run, "--resume", "--max-steps", 4)
     assert_one_line_error(resumed, "checksum mismatch", code=2)
     assert tree_bytes(run) == before
-    inspect = subprocess.run([sys.executable, "-m", "k3_trainer.cli", "inspect",
-                              str(latest_checkpoint(run))], capture_output=True, text=True)
+    inspect = k3_train("inspect", latest_checkpoint(run))
     assert_one_line_error(inspect, "checksum mismatch", code=2)

@@ -1,9 +1,9 @@
-"""The tests' warm torchrun (launch_server.py): a launch through it is the client's own.
+"""The tests' launch server (launch_server.py): a run through it is the client's own.
 
-Every successful torchrun launch in these tests goes through it, so a server that lost a
-rank's failure, ran in the wrong directory or environment, or left a timed-out launch
-running would pass or hang tests for reasons of its own. Deselect with
-``-m 'not distributed'``.
+Every successful torchrun launch and most ``k3-train`` runs in these tests go through it,
+so a server that lost a rank's failure or an exit status, ran in the wrong directory or
+environment, or left a timed-out launch running would pass or hang tests for reasons of
+its own. Deselect with ``-m 'not distributed'``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import proc_stat
+from harness import k3_train, proc_stat
 from test_distributed_training import _run, needs_torchrun, one_launch_at_a_time, torchrun
 
 pytestmark = [pytest.mark.distributed, needs_torchrun, one_launch_at_a_time]
@@ -77,3 +77,28 @@ def test_another_thread_count_is_refused_not_ignored(script, tmp_path):
     assert done.returncode == 2
     assert "OMP_NUM_THREADS=3" in done.stderr
     assert not (tmp_path / "rank0.txt").exists()
+
+
+def test_a_k3_train_run_is_the_clients_process(data_dir, tmp_path, monkeypatch):
+    """``harness.k3_train`` runs ``k3-train`` in a fork of the server: the client's
+    directory (a relative run directory lands there), separate streams and exit status
+    (the environment travels as a torchrun launch's does, tested above)."""
+    monkeypatch.chdir(tmp_path)
+    done = k3_train("train", "--run-dir", "run", "--data", data_dir, "--device", "cpu",
+                    "--max-steps", 1)
+    assert Path(done.args[2]).name == "launch_client.py", done.args  # not a new interpreter
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert "step" in done.stdout and "Traceback" not in done.stderr
+    refused = k3_train("train", "--run-dir", "refused", "--no-such-flag")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "unrecognized arguments: --no-such-flag" in refused.stderr
+
+
+def test_a_k3_train_run_at_another_thread_count_gets_a_new_interpreter(tmp_path):
+    """torch read ``OMP_NUM_THREADS`` when the server imported it, so such a run cannot be
+    a fork: it runs as ``python -m k3_trainer.cli``, and still runs."""
+    done = k3_train("train", "--run-dir", tmp_path, "--no-such-flag",
+                    env={"OMP_NUM_THREADS": "3"})
+    assert done.args[1:3] == ["-m", "k3_trainer.cli"], done.args
+    assert done.returncode == 2 and "unrecognized arguments" in done.stderr
