@@ -80,11 +80,13 @@ def k3_train(*args: Any, env: Mapping[str, str] | None = None, driver: bool = Fa
     environment = subprocess_env(env)
     if driver:
         command = [sys.executable, str(DRIVER)]
-    elif environment["OMP_NUM_THREADS"] != subprocess_env()["OMP_NUM_THREADS"]:
-        command = [sys.executable, "-m", "k3_trainer.cli"]
     else:
-        command = [sys.executable, "-S", str(TESTS / "launch_client.py"), launch_server(),
-                   "k3-train"]
+        server = launch_server()
+        if environment["OMP_NUM_THREADS"] == _launcher_threads:
+            command = [sys.executable, "-S", str(TESTS / "launch_client.py"), server,
+                       "k3-train"]
+        else:
+            command = [sys.executable, "-m", "k3_trainer.cli"]
     return subprocess.run([*command, *map(str, args)], capture_output=True, text=True,
                           env=environment, timeout=timeout)
 
@@ -127,6 +129,7 @@ def kill_tree(pid: int) -> None:
 
 
 _launcher: subprocess.Popen[bytes] | None = None
+_launcher_threads: str | None = None  # the OMP_NUM_THREADS it imported torch with
 
 
 def launch_server() -> str:
@@ -134,13 +137,15 @@ def launch_server() -> str:
     first use (its imports take a few seconds, once) and ended when this process ends.
     Here, not in a test module: pytest's importlib mode imports a test module once as a
     test and again for each module importing from it, each copy with its own globals."""
-    global _launcher
+    global _launcher, _launcher_threads
     name = f"k3-launch-{os.getpid()}"
     if _launcher is not None and _launcher.poll() is None:
         return name
+    env = subprocess_env()
+    _launcher_threads = env["OMP_NUM_THREADS"]
     _launcher = subprocess.Popen([sys.executable, "-u", TESTS / "launch_server.py", name],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 env=subprocess_env(), start_new_session=True)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                 start_new_session=True)
     assert _launcher.stdout is not None
     if _launcher.stdout.readline() != b"ready\n":
         raise RuntimeError(f"the launch server did not start (exit {_launcher.wait()})")

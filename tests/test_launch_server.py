@@ -90,9 +90,12 @@ def test_a_k3_train_run_is_the_clients_process(data_dir, tmp_path, monkeypatch):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
     assert "step" in done.stdout and "Traceback" not in done.stderr
-    refused = k3_train("train", "--run-dir", "refused", "--no-such-flag")
+    refused = k3_train("train", "--run-dir", "refused", "--no-such-flag")  # argparse exits
     assert refused.returncode == 2 and refused.stdout == ""
     assert "unrecognized arguments: --no-such-flag" in refused.stderr
+    refused = k3_train("train", "--run-dir", "refused", "--data", tmp_path / "none")  # main
+    assert refused.returncode == 2 and refused.stdout == ""  # returns 2
+    assert "manifest.json not found" in refused.stderr
 
 
 def test_a_k3_train_run_at_another_thread_count_gets_a_new_interpreter(tmp_path):
