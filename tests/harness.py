@@ -76,10 +76,14 @@ def k3_train(*args: Any, env: Mapping[str, str] | None = None, driver: bool = Fa
     (launch_server.py), which has imported torch and the k3 packages, with this call's
     streams, environment and exit status. A fresh interpreter where a fork cannot stand in
     for one: ``driver`` (``cli_driver.py``'s test-only fault injection around the same
-    ``main``) or another ``OMP_NUM_THREADS`` than the server's (torch read it on import)."""
+    ``main``), another ``OMP_NUM_THREADS`` than the server's (torch read it on import), or
+    where the server cannot run (it listens on a Linux abstract socket and imports
+    torch.distributed)."""
     environment = subprocess_env(env)
     if driver:
         command = [sys.executable, str(DRIVER)]
+    elif sys.platform != "linux" or not torch.distributed.is_available():
+        command = [sys.executable, "-m", "k3_trainer.cli"]
     else:
         server = launch_server()
         if environment["OMP_NUM_THREADS"] == _launcher_threads:
