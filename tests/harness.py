@@ -80,17 +80,14 @@ def k3_train(*args: Any, env: Mapping[str, str] | None = None, driver: bool = Fa
     where the server cannot run (it listens on a Linux abstract socket and imports
     torch.distributed)."""
     environment = subprocess_env(env)
+    command = [sys.executable, "-m", "k3_trainer.cli"]
     if driver:
         command = [sys.executable, str(DRIVER)]
-    elif sys.platform != "linux" or not torch.distributed.is_available():
-        command = [sys.executable, "-m", "k3_trainer.cli"]
-    else:
+    elif sys.platform == "linux" and torch.distributed.is_available():
         server = launch_server()
         if environment["OMP_NUM_THREADS"] == _launcher_threads:
             command = [sys.executable, "-S", str(TESTS / "launch_client.py"), server,
                        "k3-train"]
-        else:
-            command = [sys.executable, "-m", "k3_trainer.cli"]
     return subprocess.run([*command, *map(str, args)], capture_output=True, text=True,
                           env=environment, timeout=timeout)
 
