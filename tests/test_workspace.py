@@ -72,6 +72,36 @@ def test_every_package_is_in_the_root_test_matrix():
         assert (src / "py.typed").is_file(), f"{package.name} lacks py.typed"
 
 
+
+def _hatch_expand(command: str, env: dict[str, str], args: str) -> str:
+    """hatch's context formatting of a script line: ``{env:NAME}``, ``{env:NAME:default}``,
+    ``{args}`` and ``{args:default}`` (the default only where no arguments are given)."""
+    command = re.sub(r"\{env:(\w+)(?::([^}]*))?\}",
+                     lambda m: env.get(m.group(1), m.group(2) or ""), command)
+    return re.sub(r"\{args(?::((?:[^{}]|\{[^{}]*\})*))?\}",
+                  lambda m: args or (m.group(1) or ""), command)
+
+
+def test_options_given_to_hatch_test_keep_the_suites_folder():
+    """``hatch test -i package=k3-qkclip -- -x`` runs k3-qkclip's tests, not pytest's
+    collection of the whole workspace in an environment that lacks most of it."""
+    import shlex
+    import subprocess
+
+    hatch = tomllib.loads((ROOT / "hatch.toml").read_text())
+    test_env = hatch["envs"]["hatch-test"]
+    env = {o["key"]: o["value"] for o in test_env["overrides"]["matrix"]["package"]["env-vars"]
+           if o["if"] == ["k3-qkclip"]}
+    pytest_line = test_env["scripts"]["run"][-1]
+    command = shlex.split(_hatch_expand(pytest_line, env, "-p no:randomly -n 0 --co -q"))
+    assert command[0] == "pytest"
+    done = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert collected and all(line.startswith(env["K3_TESTS"] + "/") for line in collected)
+
+
 # Private torch names a package may still use, each with why (no public equivalent). The
 # test below fails on any other, and on an entry here that is no longer used.
 PRIVATE_TORCH_ALLOWED = {
