@@ -1,9 +1,11 @@
-"""The workspace stays coherent: one version, exact sibling pins, every package tested, no
-private torch API beyond a listed few."""
+"""The workspace stays coherent: one version, exact sibling pins, every package tested (and
+`hatch test` keeping each suite's folder), no private torch API beyond a listed few."""
 
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -72,7 +74,6 @@ def test_every_package_is_in_the_root_test_matrix():
         assert (src / "py.typed").is_file(), f"{package.name} lacks py.typed"
 
 
-
 def _hatch_expand(command: str, env: dict[str, str], args: str) -> str:
     """hatch's context formatting of a script line: ``{env:NAME}``, ``{env:NAME:default}``,
     ``{args}`` and ``{args:default}`` (the default only where no arguments are given)."""
@@ -85,9 +86,6 @@ def _hatch_expand(command: str, env: dict[str, str], args: str) -> str:
 def test_options_given_to_hatch_test_keep_the_suites_folder():
     """``hatch test -i package=k3-qkclip -- -x`` runs k3-qkclip's tests, not pytest's
     collection of the whole workspace in an environment that lacks most of it."""
-    import shlex
-    import subprocess
-
     hatch = tomllib.loads((ROOT / "hatch.toml").read_text())
     test_env = hatch["envs"]["hatch-test"]
     env = {o["key"]: o["value"] for o in test_env["overrides"]["matrix"]["package"]["env-vars"]
