@@ -10,6 +10,8 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import pytest
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -83,16 +85,17 @@ def _hatch_expand(command: str, env: dict[str, str], args: str) -> str:
                   lambda m: args or (m.group(1) or ""), command)
 
 
-def test_options_given_to_hatch_test_keep_the_suites_folder():
+@pytest.mark.parametrize("script", ["run", "run-cov"])  # `hatch test`, `hatch test --cover`
+def test_options_given_to_hatch_test_keep_the_suites_folder(script):
     """``hatch test -i package=k3-qkclip -- -x`` runs k3-qkclip's tests, not pytest's
     collection of the whole workspace in an environment that lacks most of it."""
     hatch = tomllib.loads((ROOT / "hatch.toml").read_text())
     test_env = hatch["envs"]["hatch-test"]
     env = {o["key"]: o["value"] for o in test_env["overrides"]["matrix"]["package"]["env-vars"]
            if o["if"] == ["k3-qkclip"]}
-    pytest_line = test_env["scripts"]["run"][-1]
+    pytest_line = test_env["scripts"][script][-1]
     command = shlex.split(_hatch_expand(pytest_line, env, "-p no:randomly -n 0 --co -q"))
-    assert command[0] == "pytest"
+    command = command[command.index("pytest"):]  # run-cov's runs under `coverage run -m`
     done = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
