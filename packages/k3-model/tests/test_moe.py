@@ -128,6 +128,25 @@ def test_balancer_gather_set_after_a_compiled_call_is_used(make_model, make_toke
     assert balancer.load.sum().item() == 64
 
 
+@pytest.mark.parametrize("kind", ["k3", "mla"])
+def test_each_block_compiles_to_one_graph_under_bf16_autocast(make_model, make_tokens, kind):
+    """A regional compile gets one graph per decoder block, training and evaluating, where
+    the grouped GEMM is traceable (bf16: torch 2.13's shape function takes bf16 only);
+    ``fullgraph=True`` raises at any graph break. The decoding flag, a ContextVar dynamo
+    cannot read, used to break every MoE block's graph in the experts' call."""
+    torch.compiler.reset()  # other tests' compiled blocks count towards the recompile limit
+    model = make_model(kind).train()
+    assert model.layers[1].mlp.experts.grouped_mm_applies(torch.empty(0, dtype=torch.bfloat16))
+    for layer in model.layers:
+        layer.compile(fullgraph=True, backend="eager", dynamic=False)
+    x = make_tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, targets=x)
+        loss.backward()
+        with torch.no_grad():
+            model.eval()(x)
+
+
 def test_balancer_off_keeps_zero_bias_but_records_load(make_model, make_tokens):
     model = make_model(moe_balance=False).train()
     model(make_tokens())

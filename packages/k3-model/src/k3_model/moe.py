@@ -40,9 +40,9 @@ _DECODING: contextvars.ContextVar[bool] = contextvars.ContextVar("k3_decoding", 
 
 @contextlib.contextmanager
 def decoding() -> Iterator[None]:
-    """Mark the forwards inside as decoding steps (``K3Model.forward_cached``): experts may
-    then take the gathered path for a few tokens, which rounds differently from the
-    grouped kernel; training and evaluation forwards never do."""
+    """Mark the forwards inside as decoding steps (``K3Model.forward_cached``): eager
+    experts may then take the gathered path for a few tokens, which rounds differently
+    from the grouped kernel; training and evaluation forwards never do, nor compiled ones."""
     token = _DECODING.set(True)
     try:
         yield
@@ -144,7 +144,11 @@ class Experts(nn.Module):
         slice of them)."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
-        if _DECODING.get() and flat.numel() <= self.gather_below:
+        # dynamo cannot read a ContextVar: the read would break every compiled MoE block's
+        # graph here, in training too. So a compiled forward always groups (its decoding
+        # steps round as the grouped kernel does); the gathered path is eager only.
+        if not torch.compiler.is_compiling() and _DECODING.get() \
+                and flat.numel() <= self.gather_below:
             return self._gathered(x, k, flat, gates, stacks)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         xs = x[order // k]
