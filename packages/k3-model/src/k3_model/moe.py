@@ -92,10 +92,11 @@ class Experts(nn.Module):
     Stacks (not a ModuleList) so an optimizer sees each weight kind as one batch of
     matrices (k3-optim orthogonalizes them together). Tokens are grouped by expert with
     one sort; the groups run as one grouped GEMM (``torch.nn.functional.grouped_mm``)
-    with group ends found on the device, so no host sync. Where that kernel does not apply
-    (fp64, rows not a multiple of 16 bytes, CUDA without bf16 sm90, fp32 under
-    torch.compile, a torch without it, or ``use_grouped_mm = False``) a per-expert loop
-    runs instead, which syncs once for the group sizes. Outputs are gathered back by the
+    with group ends found on the device, so no host sync (in fp32 under torch.compile,
+    eagerly between two graphs: torch 2.13 traces the kernel in bf16 only). Where it does
+    not apply (fp64, rows not a multiple of 16 bytes, CUDA without bf16 sm90, a torch
+    without it, or ``use_grouped_mm = False``) a per-expert loop runs instead, which syncs
+    once for the group sizes. Outputs are gathered back by the
     inverse permutation, not a scatter-add, so the result is deterministic on GPUs too.
     """
 
