@@ -96,8 +96,8 @@ class Experts(nn.Module):
     eagerly between two graphs: torch 2.13 traces the kernel in bf16 only). Where it does
     not apply (fp64, rows not a multiple of 16 bytes, CUDA without bf16 sm90, a torch
     without it, or ``use_grouped_mm = False``) a per-expert loop runs instead, which syncs
-    once for the group sizes. Outputs are gathered back by the
-    inverse permutation, not a scatter-add, so the result is deterministic on GPUs too.
+    once for the group sizes. Outputs are gathered back by the inverse permutation, not a
+    scatter-add, so the result is deterministic on GPUs too.
     """
 
     use_grouped_mm: bool = True  # False forces the per-expert loop (tests, debugging)
